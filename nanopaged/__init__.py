@@ -1,0 +1,8 @@
+"""nanopaged: a minimal offline LLM inference engine on PagedAttention."""
+
+from nanopaged.llm import LLM
+from nanopaged.outputs import CompletionOutput, RequestOutput
+from nanopaged.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

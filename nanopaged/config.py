@@ -1,0 +1,152 @@
+"""Engine settings (validated, frozen) and the model's shape read from its config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder's shape and family flags."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    dtype: torch.dtype
+    eos_token_ids: tuple[int, ...] = field(default=())
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> ModelConfig:
+        path = model_dir / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {model_dir}")
+        cfg = json.loads(path.read_text())
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r} in {path}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = cfg["num_attention_heads"]
+        rope = dict(cfg.get("rope_parameters") or {})
+        legacy_scaling = cfg.get("rope_scaling") or {}
+        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = {**legacy_scaling, **rope}
+        if "type" in scaling and "rope_type" not in scaling:
+            scaling["rope_type"] = scaling["type"]
+        scaling.pop("rope_theta", None)
+        if scaling.get("rope_type", "default") == "default":
+            scaling = None
+        eos = cfg.get("eos_token_id")
+        gen_path = model_dir / "generation_config.json"
+        if gen_path.is_file():
+            eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
+        eos_ids = tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+        dtype_name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            dtype=_DTYPES.get(dtype_name, torch.float32),
+            eos_token_ids=eos_ids,
+        )
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype | None:
+    """'auto' -> None; otherwise a floating torch dtype, or ValueError naming the choices."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        return dtype
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a str or torch.dtype, got {type(dtype).__name__}")
+    if dtype == "auto":
+        return None
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs: batching limits, KV block size and budget, device and dtype."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    seed: int = 0
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("block_size", self.block_size)
+        if self.block_size < 8 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 8, got {self.block_size}")
+        if self.kv_cache_memory is not None:
+            _positive_int("kv_cache_memory", self.kv_cache_memory)
+        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(
+            self.gpu_memory_utilization, (int, float)
+        ):
+            raise TypeError("gpu_memory_utilization must be a number")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)

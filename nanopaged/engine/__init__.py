@@ -1,0 +1,1 @@
+"""Scheduling and memory management: sequences, blocks, batches, the model runner."""

@@ -1,0 +1,206 @@
+"""Owns the model and the KV tensor; turns a ScheduledBatch into sampled tokens."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from nanopaged.config import EngineConfig, ModelConfig
+from nanopaged.engine.scheduler import ScheduledBatch
+from nanopaged.engine.sequence import Sequence
+from nanopaged.layers.attention import Attention, AttentionMetadata
+from nanopaged.layers.sampler import SamplingTensors, sample
+from nanopaged.loader import load_weights
+from nanopaged.models import build_model
+
+logger = logging.getLogger(__name__)
+
+# KV budget on CPU when kv_cache_memory is not given.
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+
+
+class ModelRunner:
+    """Loads the model, sizes and allocates the paged KV cache, runs steps and samples."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        model_config: ModelConfig,
+        engine_config: EngineConfig,
+        max_model_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model_config = model_config
+        self.config = engine_config
+        self.max_model_len = max_model_len
+        self.device = device
+        self.dtype = dtype
+        self.block_size = engine_config.block_size
+        torch.manual_seed(engine_config.seed)
+        self.generator = torch.Generator(device=device).manual_seed(engine_config.seed)
+        with torch.device(device):
+            default_dtype = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)
+            try:
+                self.model = build_model(model_config)
+            finally:
+                torch.set_default_dtype(default_dtype)
+        load_weights(self.model, model_dir)
+        self.model.eval()
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.num_blocks = self._count_kv_blocks()
+        # kv_cache: [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = torch.empty(
+            2,
+            model_config.num_layers,
+            self.num_blocks,
+            self.block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache = self.kv_cache[0, i]
+            layer.v_cache = self.kv_cache[1, i]
+
+    # ---- sizing --------------------------------------------------------------------------
+    @property
+    def kv_bytes_per_block(self) -> int:
+        c = self.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * elem
+
+    def _count_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.kv_cache_memory is not None:
+            budget = cfg.kv_cache_memory
+        elif self.device.type == "cuda":
+            budget = self._profile_cuda_budget()
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_MEMORY
+        num_blocks = budget // self.kv_bytes_per_block
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * self.block_size} tokens "
+                f"({budget / 2**20:.1f} MiB at {self.kv_bytes_per_block} bytes per block of "
+                f"{self.block_size}), less than one sequence of max_model_len="
+                f"{self.max_model_len}; raise kv_cache_memory or gpu_memory_utilization, or "
+                "lower max_model_len"
+            )
+        # More blocks than every sequence at full length could use is wasted memory.
+        return min(num_blocks, blocks_per_seq * cfg.max_num_seqs)
+
+    def _profile_cuda_budget(self) -> int:
+        """Bytes left for KV after weights and a peak forward pass, under the utilization cap."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-num_tokens // self.block_size)
+        c = self.model_config
+        scratch = torch.empty(
+            2, c.num_layers, blocks, self.block_size, c.num_kv_heads, c.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache, layer.v_cache = scratch[0, i], scratch[1, i]
+        positions, meta = self._metadata([num_tokens], [0], [list(range(blocks))])
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions, meta)
+            rows = min(self.config.max_num_seqs, num_tokens)
+            self.model.compute_logits(hidden[:rows]).float().softmax(-1)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - scratch.numel() * scratch.element_size()
+        del scratch, hidden
+        for layer in self.attention_layers:
+            layer.k_cache = layer.v_cache = None
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        not_torch = total - free - torch.cuda.memory_reserved()
+        return max(0, int(total * self.config.gpu_memory_utilization) - peak - not_torch)
+
+    # ---- one step ------------------------------------------------------------------------
+    def _metadata(
+        self, num_scheduled: list[int], starts: list[int], block_tables: list[list[int]]
+    ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Positions of the scheduled tokens and the metadata to find them in the cache."""
+        bs = self.block_size
+        batch = len(num_scheduled)
+        max_blocks = max(len(t) for t in block_tables)
+        tables = np.zeros((batch, max_blocks), dtype=np.int32)
+        for i, t in enumerate(block_tables):
+            tables[i, : len(t)] = t
+        q_lens = np.asarray(num_scheduled, dtype=np.int32)
+        context_lens = np.asarray(starts, dtype=np.int32) + q_lens
+        cu = np.zeros(batch + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=cu[1:])
+        # pos: [num_tokens] position of each scheduled token; slots through the block tables
+        seq_idx = np.repeat(np.arange(batch), q_lens)
+        pos = np.arange(cu[-1]) - np.repeat(cu[:-1], q_lens) + np.repeat(starts, q_lens)
+        slots = tables[seq_idx, pos // bs].astype(np.int64) * bs + pos % bs
+        dev = self.device
+        positions = torch.from_numpy(pos).to(dev, non_blocking=True)
+        return positions, AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
+            context_lens=torch.from_numpy(context_lens).to(dev, non_blocking=True),
+            cu_seqlens_q=torch.from_numpy(cu).to(dev, non_blocking=True),
+            max_seqlen_q=int(q_lens.max()),
+            max_context_len=int(context_lens.max()),
+        )
+
+    def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        params = [s.sampling_params for s in seqs]
+        vocab = self.model_config.vocab_size
+        top_ks = [p.top_k if p.top_k > 0 else vocab for p in params]
+        dev = self.device
+        return SamplingTensors(
+            temperatures=torch.tensor([p.temperature for p in params], device=dev),
+            top_ps=torch.tensor([p.top_p for p in params], device=dev),
+            top_ks=torch.tensor(top_ks, device=dev),
+            min_ps=torch.tensor([p.min_p for p in params], device=dev),
+            generators=[getattr(s, "generator", None) for s in seqs],
+            all_greedy=all(p.greedy for p in params),
+            any_top_p_k=any(p.top_p < 1 or 0 < p.top_k < vocab for p in params),
+            any_min_p=any(p.min_p > 0 for p in params),
+        )
+
+    def _mask_early_stops(self, logits: torch.Tensor, seqs: list[Sequence], eos: set[int]):
+        """Forbid EOS and stop tokens to sequences that have not reached min_tokens."""
+        for i, seq in enumerate(seqs):
+            p = seq.sampling_params
+            if seq.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
+                if banned:
+                    logits[i, banned] = float("-inf")
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, eos_token_ids: set[int]) -> list[int]:
+        """Compute the batch's scheduled tokens; returns a token for each sequence that samples."""
+        seqs = batch.seqs
+        starts = [s.num_computed_tokens for s in seqs]
+        input_ids: list[int] = []
+        for seq, start, n in zip(seqs, starts, batch.num_scheduled_tokens):
+            input_ids.extend(seq.token_ids[start : start + n])
+        positions, meta = self._metadata(
+            batch.num_scheduled_tokens, starts, [s.block_table for s in seqs]
+        )
+        sampling_rows = [i for i in range(len(seqs)) if batch.samples(i)]
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, positions, meta)
+        if not sampling_rows:
+            return []
+        last = np.cumsum(batch.num_scheduled_tokens) - 1
+        logits_indices = torch.tensor(last[sampling_rows], device=self.device)
+        logits = self.model.compute_logits(hidden[logits_indices]).float()
+        sampled_seqs = [seqs[i] for i in sampling_rows]
+        self._mask_early_stops(logits, sampled_seqs, eos_token_ids)
+        tokens = sample(logits, self._sampling_tensors(sampled_seqs), self.generator)
+        return tokens.tolist()

@@ -1,0 +1,1 @@
+"""Model building blocks; attention here is the only place that calls kernels."""

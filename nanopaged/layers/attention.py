@@ -1,0 +1,74 @@
+"""Paged attention: store this step's K/V, then prefill or decode attention over the cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nanopaged.kernels import paged_decode, paged_prefill, store_kv
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs to find a batch's tokens in the paged KV cache."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = do not store
+    block_tables: torch.Tensor  # [batch, max_blocks] int32
+    context_lens: torch.Tensor  # [batch] int32, tokens in cache after this step
+    cu_seqlens_q: torch.Tensor  # [batch + 1] int32
+    max_seqlen_q: int
+    max_context_len: int
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_seqlen_q == 1
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped KV heads over one layer's slice of the KV cache.
+
+    k_cache/v_cache are views of the engine's one KV tensor, bound by the ModelRunner once it
+    has sized and allocated it: [num_blocks, block_size, num_kv_heads, head_dim].
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        assert self.k_cache is not None, "KV cache not bound"
+        use_triton = q.is_cuda
+        k_cache, v_cache = self.k_cache, self.v_cache
+        if use_triton:
+            store_kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            store_kv.store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        args = (q, k_cache, v_cache, meta.block_tables)
+        if meta.is_decode:
+            if use_triton:
+                return paged_decode.paged_decode(
+                    *args, meta.context_lens, self.scale, max_context_len=meta.max_context_len
+                )
+            return paged_decode.paged_decode_ref(*args, meta.context_lens, self.scale)
+        if use_triton:
+            return paged_prefill.paged_prefill(
+                *args,
+                meta.cu_seqlens_q,
+                meta.context_lens,
+                self.scale,
+                max_seqlen_q=meta.max_seqlen_q,
+                max_context_len=meta.max_context_len,
+            )
+        return paged_prefill.paged_prefill_ref(
+            *args, meta.cu_seqlens_q, meta.context_lens, self.scale
+        )

@@ -1,0 +1,315 @@
+"""The user-facing engine: validate, tokenize, run the request loop, detokenize."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence as SequenceABC
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from nanopaged.config import EngineConfig, ModelConfig, parse_dtype
+from nanopaged.engine.block_manager import BlockManager
+from nanopaged.engine.model_runner import ModelRunner
+from nanopaged.engine.scheduler import Scheduler
+from nanopaged.engine.sequence import Sequence
+from nanopaged.outputs import CompletionOutput, RequestOutput
+from nanopaged.sampling_params import SamplingParams
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+PromptType = str | list[int]
+
+
+def _resolve_model_dir(model: str | os.PathLike | None) -> Path:
+    from nanopaged.gguf import resolve_model
+
+    return resolve_model(model)
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    if isinstance(device, str) and device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA device is available")
+    return dev
+
+
+class LLM:
+    """An offline engine over one model: `LLM(path).generate(prompts, SamplingParams(...))`.
+
+    `model` is a Hugging Face model directory (config.json + *.safetensors), a .gguf file, or
+    None for the embedded SmolLM2-135M-Instruct.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        *,
+        tokenizer: str | os.PathLike | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
+        seed: int = 0,
+    ) -> None:
+        self.config = EngineConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            enable_prefix_caching=bool(enable_prefix_caching),
+            kv_cache_memory=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=bool(enforce_eager),
+            seed=seed,
+            max_model_len=max_model_len,
+        )
+        requested_dtype = parse_dtype(dtype)
+        self.device = _resolve_device(device)
+        self.model_dir = _resolve_model_dir(model)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        limit = self.model_config.max_position_embeddings
+        if max_model_len is not None and max_model_len > limit:
+            raise ValueError(
+                f"max_model_len must be <= the model's max_position_embeddings ({limit}), "
+                f"got {max_model_len}"
+            )
+        self.max_model_len = max_model_len or limit
+        if requested_dtype is not None:
+            self.dtype = requested_dtype
+        elif self.device.type == "cpu":
+            self.dtype = torch.float32  # CPUs rarely have fast half-precision matmuls
+        else:
+            cfg_dtype = self.model_config.dtype
+            self.dtype = torch.bfloat16 if cfg_dtype == torch.float32 else cfg_dtype
+        self.tokenizer = self._load_tokenizer(Path(tokenizer) if tokenizer else self.model_dir)
+        self.runner = ModelRunner(
+            self.model_dir,
+            self.model_config,
+            self.config,
+            self.max_model_len,
+            self.device,
+            self.dtype,
+        )
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, block_size, self.config.enable_prefix_caching
+        )
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = eos
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs,
+            max_num_batched_tokens,
+            self.max_model_len,
+            eos,
+        )
+        self._request_counter = 0
+
+    @staticmethod
+    def _load_tokenizer(path: Path):
+        if path.is_dir() and not any((path / f).exists() for f in _TOKENIZER_FILES):
+            return None
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+
+    # ---- input validation ----------------------------------------------------------------
+    def _normalize_prompts(self, prompts) -> list[PromptType]:
+        if isinstance(prompts, str):
+            return [prompts]
+        if not isinstance(prompts, SequenceABC):
+            raise TypeError(
+                "prompts must be a str, a list of str, a list of token ids or a list of lists "
+                f"of token ids, got {type(prompts).__name__}"
+            )
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [prompts]
+        out: list[PromptType] = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                out.append(p)
+            elif isinstance(p, SequenceABC) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in p
+            ):
+                out.append(list(p))
+            else:
+                raise TypeError(
+                    f"prompts[{i}] must be a str or a list of int token ids, "
+                    f"got {type(p).__name__}"
+                )
+        return out
+
+    def _tokenize(self, prompt: PromptType, index: int) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"prompts[{index}] is text but no tokenizer was found in {self.model_dir}; "
+                    "pass token ids, or tokenizer=PATH"
+                )
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = prompt
+        if not token_ids:
+            raise ValueError(f"prompts[{index}] is empty: a prompt needs at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(
+                f"prompts[{index}] holds token id {bad}, outside the vocabulary [0, {vocab})"
+            )
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"prompts[{index}] has {len(token_ids)} tokens, more than "
+                f"max_model_len={self.max_model_len}"
+            )
+        return token_ids
+
+    def _normalize_params(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * num_prompts
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        if isinstance(sampling_params, SequenceABC):
+            params = list(sampling_params)
+            if len(params) != num_prompts:
+                raise ValueError(
+                    f"sampling_params has {len(params)} entries but there are {num_prompts} "
+                    "prompts; pass one SamplingParams or one per prompt"
+                )
+            for i, p in enumerate(params):
+                if not isinstance(p, SamplingParams):
+                    raise TypeError(
+                        f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}"
+                    )
+            return params
+        raise TypeError(
+            "sampling_params must be a SamplingParams or a list of them, "
+            f"got {type(sampling_params).__name__}"
+        )
+
+    # ---- generation ----------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: str | list[str] | list[int] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for every prompt; outputs come back in input order."""
+        prompt_list = self._normalize_prompts(prompts)
+        params = self._normalize_params(sampling_params, len(prompt_list))
+        token_lists = [self._tokenize(p, i) for i, p in enumerate(prompt_list)]
+        seqs: list[Sequence] = []
+        for prompt_ids, p in zip(token_lists, params):
+            seq = Sequence(prompt_ids, p, request_id=str(self._request_counter))
+            self._request_counter += 1
+            if p.seed is not None:
+                seq.generator = torch.Generator(device=self.device).manual_seed(p.seed)
+            seqs.append(seq)
+        self._run(seqs, use_tqdm)
+        return [
+            self._request_output(seq, prompt)
+            for seq, prompt in zip(seqs, prompt_list)
+        ]
+
+    def _run(self, seqs: list[Sequence], use_tqdm: bool) -> None:
+        for seq in seqs:
+            self.scheduler.add(seq)
+        bar = tqdm(total=len(seqs), desc="Processed prompts", disable=not use_tqdm, leave=True)
+        prefill_tokens = decode_tokens = 0
+        t0 = time.perf_counter()
+        try:
+            while self.scheduler.has_unfinished():
+                batch = self.scheduler.schedule()
+                if not batch.seqs:
+                    raise RuntimeError("the scheduler could not make progress")  # invariant
+                sampled = self.runner.run(batch, self.eos_token_ids)
+                grown = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+                num_new = batch.total_tokens
+                num_decode = sum(1 for n in batch.num_scheduled_tokens if n == 1)
+                decode_tokens += num_decode
+                prefill_tokens += num_new - num_decode
+                finished = self.scheduler.postprocess(batch, sampled)
+                finished += self._check_stop_strings(grown)
+                if finished:
+                    bar.update(len(finished))
+                if use_tqdm:
+                    dt = max(time.perf_counter() - t0, 1e-9)
+                    bar.set_postfix_str(
+                        f"prefill {prefill_tokens / dt:.0f} tok/s, decode {decode_tokens / dt:.0f} tok/s",
+                        refresh=False,
+                    )
+        except BaseException:
+            # Interrupted or failed mid-step: give every block back so the LLM stays usable.
+            self.scheduler.abort_all()
+            raise
+        finally:
+            bar.close()
+
+    def _check_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Finish sequences whose text now holds a stop string; returns those still running."""
+        finished = []
+        for seq in seqs:
+            p = seq.sampling_params
+            if not p.stop or seq.num_output_tokens < p.min_tokens:
+                continue
+            text = self.tokenizer.decode(
+                seq.output_token_ids, skip_special_tokens=p.skip_special_tokens
+            )
+            # Only the tail can hold a stop string that was not there a token ago.
+            start = max(0, getattr(seq, "stop_checked_len", 0) - max(len(s) for s in p.stop))
+            hits = [(text.find(s, start), s) for s in p.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            seq.stop_checked_len = len(text)
+            if hits:
+                idx, stop = min(hits)
+                seq.text = text[: idx + len(stop)] if p.include_stop_str_in_output else text[:idx]
+                if seq.is_finished:  # ended by length or EOS this very step: the string wins
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+                else:
+                    self.scheduler.finish(seq, "stop", stop)
+                    finished.append(seq)
+        return finished
+
+    def _request_output(self, seq: Sequence, prompt: PromptType) -> RequestOutput:
+        p = seq.sampling_params
+        text = getattr(seq, "text", None)
+        if text is None:
+            text = (
+                self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+                if self.tokenizer is not None
+                else ""
+            )
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=seq.output_token_ids,
+            cumulative_logprob=None,
+            logprobs=None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            outputs=[completion],
+            finished=seq.is_finished,
+            num_cached_tokens=seq.num_cached_tokens,
+        )

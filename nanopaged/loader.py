@@ -1,0 +1,73 @@
+"""Weights from safetensors files into a model's parameters; never unpickles anything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from nanopaged.layers.linear import default_weight_loader
+
+# Checkpoint entries that carry nothing we use (precomputed rotary tables of old exports).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The *.safetensors of a model directory, or a ValueError saying what is there instead."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    pickled = sorted(p.name for p in model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+    if pickled:
+        raise ValueError(
+            f"{model_dir} holds only pickled weights ({', '.join(pickled)}); nanopaged loads "
+            "safetensors or GGUF only, since unpickling can run arbitrary code. Convert them "
+            "with transformers' save_pretrained(safe_serialization=True)."
+        )
+    raise ValueError(f"no *.safetensors weights found in {model_dir}")
+
+
+def load_weights(model: nn.Module, model_dir: Path) -> None:
+    """Copy every checkpoint tensor into its parameter; raise on a missing or unknown name."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed = getattr(model, "packed_modules", {})
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    loaded: set[str] = set()
+    for path in safetensors_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    if name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    if tied and name == "lm_head.weight":
+                        continue  # the head is the embedding; some exports still save it
+                    target, shard_id = name, None
+                    for fragment, (packed_name, sid) in packed.items():
+                        if f".{fragment}." in name:
+                            target, shard_id = name.replace(fragment, packed_name), sid
+                            break
+                    param = params.get(target)
+                    if param is None:
+                        raise ValueError(f"unexpected weight {name!r} in {path}")
+                    tensor = f.get_tensor(name)
+                    loader = getattr(param, "weight_loader", default_weight_loader)
+                    if shard_id is None:
+                        loader(param, tensor)
+                    else:
+                        loader(param, tensor, shard_id)
+                    loaded.add(name if shard_id is None else f"{target}#{shard_id}")
+        except SafetensorError as e:
+            raise ValueError(f"cannot read weight file {path}: {e}") from e
+    expected: set[str] = set()
+    for name in params:
+        if tied and name == "lm_head.weight":
+            continue
+        module_name = name.rsplit(".", 1)[0]
+        shard_ids = [
+            sid for frag, (packed_name, sid) in packed.items() if module_name.endswith(packed_name)
+        ]
+        expected.update(f"{name}#{sid}" for sid in shard_ids) if shard_ids else expected.add(name)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"weights missing from {model_dir}: {', '.join(missing[:8])}")

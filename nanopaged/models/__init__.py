@@ -1,0 +1,22 @@
+"""Model registry keyed by HF `architectures`."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from nanopaged.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from nanopaged.models.llama import DecoderForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {arch: DecoderForCausalLM for arch in SUPPORTED_ARCHITECTURES}
+
+
+def build_model(config: ModelConfig) -> nn.Module:
+    """Instantiate the implementation of config.architecture (weights uninitialised)."""
+    try:
+        cls = MODEL_REGISTRY[config.architecture]
+    except KeyError:
+        raise ValueError(
+            f"unsupported architecture {config.architecture!r}; "
+            f"supported: {', '.join(MODEL_REGISTRY)}"
+        ) from None
+    return cls(config)

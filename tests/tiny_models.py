@@ -1,0 +1,63 @@
+"""Tiny random HF models saved to disk, the reference for parity tests (no hub access)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def make_tiny_model(path: Path, family: str, seed: int = 0, **overrides) -> Path:
+    """Build a small random model of `family` with transformers and save_pretrained it."""
+    import transformers
+
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        # Wide weights make logits far apart, so fp32 rounding cannot flip a greedy argmax.
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    config_cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[family]
+    if family == "qwen3":
+        common.setdefault("head_dim", 32)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config_cls(**common))
+    model.to(torch.float32).eval()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    return path
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """HF transformers' greedy continuation of each prompt, fp32 on CPU, one at a time."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                # ignore_eos on our side: EOS is an ordinary token, never suppressed or final
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        outs.append(gen[0, len(prompt) :].tolist())
+    return outs
