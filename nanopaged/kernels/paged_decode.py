@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs use paged_decode_ref
+    triton = None
 
 
 def gather_kv(
@@ -37,6 +46,244 @@ def paged_decode_ref(
     # scores: [batch, num_heads, max_blocks * block_size]
     scores = torch.einsum("bhd,bthd->bht", q.float(), k) * scale
     pos = torch.arange(max_blocks * block_size, device=q.device)
-    scores.masked_fill_(pos[None, None, :] >= context_lens.to(q.device)[:, None, None], float("-inf"))
+    past_end = pos[None, None, :] >= context_lens.to(q.device)[:, None, None]
+    scores.masked_fill_(past_end, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("bht,bthd->bhd", probs, v).to(q.dtype)
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Multiprocessor count of a CUDA device (a host query, cached); 8 off-GPU (interpreter)."""
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 runs exact (never TF32) so the engine can match HF fp32 token for token."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_paged_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> None:
+    """Asserts shared by the paged attention launchers; ValueError for unsupported shapes."""
+    assert triton is not None, "paged attention kernels need triton; use the *_ref functions"
+    num_heads, head_dim = q.shape[1:]
+    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if head_dim not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+    if block_size < 8 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 8, got {block_size}")
+    assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0, (q.shape, k_cache.shape)
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
+    assert k_cache.dtype == v_cache.dtype == q.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
+    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert q.stride(2) == 1, q.stride()
+    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2, block_tables.dtype
+    assert block_tables.stride(1) == 1, block_tables.stride()
+    assert context_lens.dtype == torch.int32 and context_lens.is_contiguous()
+    assert context_lens.shape == (block_tables.shape[0],), (context_lens.shape, block_tables.shape)
+    assert q.device == k_cache.device == block_tables.device == context_lens.device
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_decode_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+        out_ptr, part_out_ptr, part_lse_ptr,
+        qk_scale, tokens_per_split,
+        stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+        stride_cb, stride_ct, stride_ch,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+        NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        # One program: all GROUP query heads of one KV head of one sequence, over one KV split,
+        # so every K/V tile is read once; the group is padded to GROUP_PAD >= 16 dot rows.
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+        split = tl.program_id(2)
+        seq64 = seq.to(tl.int64)
+        context_len = tl.load(context_lens_ptr + seq)
+        if SPLIT:
+            start = split * tokens_per_split
+            end = tl.minimum(context_len, start + tokens_per_split)
+            if start >= context_len:
+                return  # the merge ignores splits past the context
+        else:
+            start = 0
+            end = context_len
+        rows = tl.arange(0, GROUP_PAD)
+        dims = tl.arange(0, HEAD_DIM)
+        heads = kv_head * GROUP + rows
+        row_mask = rows < GROUP
+        # q: [GROUP_PAD, HEAD_DIM]
+        q = tl.load(
+            q_ptr + seq64 * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+            mask=row_mask[:, None], other=0.0,
+        )
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        table = block_tables_ptr + seq64 * stride_bt
+        head_off = kv_head * stride_ch
+        for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+            tokens = n0 + tl.arange(0, BLOCK_N)
+            tok_mask = tokens < end
+            blocks = tl.load(table + tokens // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
+            offs = blocks * stride_cb + (tokens % BLOCK_SIZE) * stride_ct + head_off
+            # k, v: [BLOCK_N, HEAD_DIM]
+            k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=tok_mask[:, None],
+                        other=0.0)
+            v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=tok_mask[:, None],
+                        other=0.0)
+            # s: [GROUP_PAD, BLOCK_N], in log2 units
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            s = tl.where(tok_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        # An empty context leaves l_i = 0: write zeros, not NaN.
+        safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+        out = acc / safe_l[:, None]
+        if SPLIT:
+            # part_out: [batch, num_heads, splits, HEAD_DIM]; part_lse: [batch, num_heads, splits]
+            num_splits = tl.num_programs(2)
+            part = (seq64 * tl.num_programs(0) * GROUP + heads) * num_splits + split
+            tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out,
+                     mask=row_mask[:, None])
+            tl.store(part_lse_ptr + part, m_i + tl.log2(safe_l), mask=row_mask)
+        else:
+            tl.store(out_ptr + seq64 * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+    @triton.jit
+    def _merge_splits_kernel(
+        out_ptr, part_out_ptr, part_lse_ptr, context_lens_ptr,
+        tokens_per_split, num_splits, stride_ob, stride_oh,
+        HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    ):
+        # One program merges one (sequence, head) over its splits by log-sum-exp, in fp32.
+        head = tl.program_id(0)
+        seq = tl.program_id(1)
+        context_len = tl.load(context_lens_ptr + seq)
+        splits = tl.arange(0, SPLITS_PAD)
+        dims = tl.arange(0, HEAD_DIM)
+        valid = (splits < num_splits) & (splits * tokens_per_split < context_len)
+        part = (seq.to(tl.int64) * tl.num_programs(0) + head) * num_splits + splits
+        lse = tl.load(part_lse_ptr + part, mask=valid, other=float("-inf"))
+        lse_max = tl.max(lse, 0)
+        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+        w = tl.exp2(lse - lse_max)
+        o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None],
+                    other=0.0)
+        w_sum = tl.sum(w, 0)
+        out = tl.sum(o * w[:, None], 0) / tl.where(w_sum > 0.0, w_sum, 1.0)
+        tl.store(out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + dims,
+                 out.to(out_ptr.dtype.element_ty))
+
+
+def decode_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for the decode kernel."""
+    tile_bytes = head_dim * dtype.itemsize
+    block_n = max(16, min(64, 16384 // tile_bytes))
+    return block_n, 4, 3
+
+
+def choose_num_splits(
+    batch: int, num_kv_heads: int, max_context_len: int, block_n: int, sms: int
+) -> int:
+    """Split-KV count from host ints only: fill ~4 programs per SM, keep >= 4 tiles per split."""
+    programs = batch * num_kv_heads
+    max_tiles = max(1, -(-max_context_len // block_n))
+    splits = -(-4 * sms // programs) if programs < 2 * sms else 1
+    splits = max(splits, -(-max_context_len // 16384))  # long contexts: bound one program's work
+    return max(1, min(splits, max_tiles // 4, 64))
+
+
+def paged_decode_launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int,
+    num_splits: int,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+) -> torch.Tensor:
+    """paged_decode with every launch choice explicit (tests and the benchmark sweep use it)."""
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    # Splits cover max_context_len in whole tiles; past it, split s >= num_splits never runs.
+    tokens_per_split = -(-max(1, -(-max_context_len // num_splits)) // block_n) * block_n
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device,
+                               dtype=torch.float32)
+        part_lse = torch.empty(batch, num_heads, num_splits, device=q.device,
+                               dtype=torch.float32)
+    else:
+        part_out = part_lse = out
+    grid = (num_kv_heads, batch, num_splits)
+    _paged_decode_kernel[grid](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        scale * math.log2(math.e), tokens_per_split,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, NUM_STAGES=num_stages,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        _merge_splits_kernel[(num_heads, batch)](
+            out, part_out, part_lse, context_lens, tokens_per_split, num_splits,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+    return out
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int | None = None,
+) -> torch.Tensor:
+    """Decode attention over paged K/V; q: [batch, num_heads, head_dim] -> same shape and dtype.
+
+    head_dim: a power of two in [16, 256] (ValueError otherwise); block_size: a power of two
+    >= 8; fp16/bf16/fp32 (fp32 exact, no TF32). No host sync: the split-KV count comes from
+    max_context_len (an upper bound on every context_len) or else the block-table width, so
+    the call can be captured in a CUDA graph. An empty context yields zeros.
+    """
+    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * block_size
+    block_n, num_warps, num_stages = decode_config(head_dim, q.dtype)
+    num_splits = choose_num_splits(batch, num_kv_heads, max_context_len, block_n,
+                                   num_sms(q.device))
+    return paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale,
+                               max_context_len, num_splits, block_n, num_warps, num_stages)

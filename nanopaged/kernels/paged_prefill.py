@@ -1,10 +1,18 @@
-"""Prefill attention: variable-length causal queries over their paged K/V, cached prefix included."""
+"""Prefill attention: varlen causal queries over their paged K/V, cached prefix included."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from nanopaged.kernels.paged_decode import gather_kv
+from nanopaged.kernels.paged_decode import check_paged_inputs, dot_precision, gather_kv
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs use paged_prefill_ref
+    triton = None
 
 
 def paged_prefill_ref(
@@ -42,3 +50,154 @@ def paged_prefill_ref(
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_prefill_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+        out_ptr, qk_scale,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+        stride_cb, stride_ct, stride_ch,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        # Grid: (head, sequence, query tile); the costliest (last) query tiles launch first.
+        head = tl.program_id(0)
+        seq = tl.program_id(1)
+        m_block = tl.num_programs(2) - 1 - tl.program_id(2)
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        m0 = m_block * BLOCK_M
+        if m0 >= q_len:
+            return
+        context_len = tl.load(context_lens_ptr + seq)
+        prefix = context_len - q_len  # cached tokens before this step's queries
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_mask = rows < q_len
+        q_pos = prefix + rows
+        dims = tl.arange(0, HEAD_DIM)
+        # q: [BLOCK_M, HEAD_DIM]
+        q_rows = (q_start + rows).to(tl.int64)
+        q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                    mask=row_mask[:, None], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        head_off = (head // GROUP) * stride_ch
+        # Keys below the tile's first query position are visible to every row: no masks.
+        full_end = (prefix + m0 + 1) // BLOCK_N * BLOCK_N
+        for n0 in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
+            tokens = n0 + tl.arange(0, BLOCK_N)
+            blocks = tl.load(table + tokens // BLOCK_SIZE).to(tl.int64)
+            offs = blocks * stride_cb + (tokens % BLOCK_SIZE) * stride_ct + head_off
+            k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :])
+            v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :])
+            # s: [BLOCK_M, BLOCK_N], in log2 units
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        # The diagonal: causal mask, and no read past this tile's last query position.
+        kv_end = prefix + tl.minimum(m0 + BLOCK_M, q_len)
+        for n0 in tl.range(full_end, kv_end, BLOCK_N):
+            tokens = n0 + tl.arange(0, BLOCK_N)
+            tok_mask = tokens < kv_end
+            blocks = tl.load(table + tokens // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
+            offs = blocks * stride_cb + (tokens % BLOCK_SIZE) * stride_ct + head_off
+            k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=tok_mask[:, None],
+                        other=0.0)
+            v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=tok_mask[:, None],
+                        other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            visible = (tokens[None, :] <= q_pos[:, None]) & tok_mask[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # Rows past q_len may see no key at all: keep their max finite.
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel."""
+    if dtype == torch.float32:
+        return (64, 32, 4, 2) if head_dim <= 64 else (32, 32, 4, 2)
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    if head_dim <= 128:
+        return 128, 64, 8, 3
+    return 64, 32, 4, 2
+
+
+def paged_prefill_launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+    block_m: int,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+) -> torch.Tensor:
+    """paged_prefill with every launch choice explicit (tests and the benchmark sweep use it)."""
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    batch = context_lens.shape[0]
+    out = torch.empty_like(q)
+    if num_tokens == 0 or batch == 0 or max_seqlen_q == 0:
+        return out
+    grid = (num_heads, batch, triton.cdiv(max_seqlen_q, block_m))
+    _paged_prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        scale * math.log2(math.e),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+    max_context_len: int | None = None,
+) -> torch.Tensor:
+    """Causal varlen attention over paged K/V; q: [num_tokens, num_heads, head_dim] -> same.
+
+    Sequence i's queries are its last q_len tokens (q_len may be 0 or 1). Same support as
+    paged_decode: head_dim a power of two in [16, 256] (ValueError otherwise), block_size a
+    power of two >= 8, fp16/bf16/fp32 (fp32 exact). max_seqlen_q bounds every q_len; the grid
+    comes from host ints only. max_context_len is accepted for symmetry and unused.
+    """
+    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.is_contiguous()
+    assert cu_seqlens_q.shape == (context_lens.shape[0] + 1,), cu_seqlens_q.shape
+    assert cu_seqlens_q.device == q.device
+    block_m, block_n, num_warps, num_stages = prefill_config(q.shape[2], q.dtype)
+    return paged_prefill_launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                                scale, max_seqlen_q, block_m, block_n, num_warps, num_stages)

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs use store_kv_ref
+    triton = None
+
 
 def store_kv_ref(
     key: torch.Tensor,
@@ -12,10 +18,66 @@ def store_kv_ref(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Torch reference: key/value [N, num_kv_heads, head_dim] into caches at slot_mapping (-1 skips)."""
-    # k_cache: [num_blocks, block_size, num_kv_heads, head_dim] -> [num_slots, num_kv_heads, head_dim]
+    """Torch reference: key/value [N, num_kv_heads, head_dim] into the caches (-1 skips)."""
+    # k_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    #       -> [num_slots, num_kv_heads, head_dim]
     num_kv_heads, head_dim = k_cache.shape[-2:]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[keep].to(k_cache.dtype)
     v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep].to(v_cache.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _store_kv_kernel(
+        key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+        stride_kt, stride_kh, stride_kd,
+        stride_vt, stride_vh, stride_vd,
+        NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        # One program writes every head of one token.
+        token = tl.program_id(0)
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        if slot < 0:
+            return
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+        token64 = token.to(tl.int64)
+        k = tl.load(key_ptr + token64 * stride_kt + h * stride_kh + d * stride_kd, mask=mask)
+        v = tl.load(value_ptr + token64 * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
+        dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM + d
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter key/value [N, num_kv_heads, head_dim] (any strides) into the caches; -1 skips."""
+    assert triton is not None, "store_kv needs triton; use store_kv_ref"
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert value.shape == key.shape, (value.shape, key.shape)
+    assert k_cache.dim() == 4 and k_cache.shape[2:] == (num_kv_heads, head_dim), k_cache.shape
+    assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert slot_mapping.shape == (num_tokens,), slot_mapping.shape
+    assert slot_mapping.dtype in (torch.int32, torch.int64), slot_mapping.dtype
+    assert key.device == k_cache.device == slot_mapping.device
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )

@@ -1,0 +1,241 @@
+"""Paged decode/prefill kernels against contiguous torch SDPA on the same data (GPU only).
+
+python benchmarks/kernel_bench.py [--json PATH] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+BLOCK_SIZE = 16
+HEAD_DIM = 128
+HEAD_LAYOUTS = [(16, 8), (32, 8)]  # (num_heads, num_kv_heads): Qwen3-0.6B, Llama-3-8B
+DECODE_CASES = [(256, 1024), (64, 4096), (8, 8192)]  # (batch, context_len)
+# (batch, q_len, cached prefix) per sequence; 8k-16k query tokens each.
+PREFILL_CASES = [(16, 512, 0), (8, 1024, 1024), (4, 4096, 0)]
+
+
+def bench_ms(fn, rep: int = 200) -> float:
+    """Median device time of fn in ms (do_bench flushes L2 between runs)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy rate in TB/s, bytes read plus written."""
+    x = torch.randn(512 * 2**20, device="cuda")  # 2 GiB
+    y = torch.empty_like(x)
+    ms = bench_ms(lambda: y.copy_(x))
+    return 2 * x.numel() * x.element_size() / ms / 1e9
+
+
+def paged_copy(
+    k: torch.Tensor, v: torch.Tensor, num_spare_blocks: int = 64
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Contiguous k/v [batch, num_kv_heads, L, D] scattered into a cache via shuffled tables."""
+    batch, num_kv_heads, length, head_dim = k.shape
+    blocks_per_seq = -(-length // BLOCK_SIZE)
+    num_blocks = batch * blocks_per_seq + num_spare_blocks
+    perm = torch.randperm(num_blocks, device=k.device)[: batch * blocks_per_seq]
+    block_tables = perm.view(batch, blocks_per_seq).to(torch.int32)
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, device=k.device, dtype=k.dtype)
+    v_cache = torch.randn(shape, device=k.device, dtype=k.dtype)
+    pad = blocks_per_seq * BLOCK_SIZE - length
+    for src, cache in ((k, k_cache), (v, v_cache)):
+        # src: [batch, kv, L, D] -> [batch * blocks_per_seq, BLOCK_SIZE, kv, D]
+        tokens = F.pad(src.transpose(1, 2), (0, 0, 0, 0, 0, pad))
+        cache[perm.long()] = tokens.reshape(-1, BLOCK_SIZE, num_kv_heads, head_dim)
+    return k_cache, v_cache, block_tables
+
+
+def sdpa_gqa(q, k, v, is_causal=False):
+    try:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+    except (TypeError, RuntimeError):
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+
+def decode_rows(sweep: bool) -> list[dict]:
+    from nanopaged.kernels.paged_decode import (
+        choose_num_splits,
+        decode_config,
+        num_sms,
+        paged_decode,
+        paged_decode_launch,
+    )
+
+    rows = []
+    dtype = torch.bfloat16
+    for num_heads, num_kv_heads in HEAD_LAYOUTS:
+        for batch, length in DECODE_CASES:
+            q = torch.randn(batch, num_heads, 1, HEAD_DIM, device="cuda", dtype=dtype)
+            k = torch.randn(batch, num_kv_heads, length, HEAD_DIM, device="cuda", dtype=dtype)
+            v = torch.randn_like(k)
+            k_cache, v_cache, block_tables = paged_copy(k, v)
+            context_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+            scale = HEAD_DIM**-0.5
+            q3 = q[:, :, 0]
+            args = (q3, k_cache, v_cache, block_tables, context_lens, scale)
+            out = paged_decode(*args, max_context_len=length)
+            ref = sdpa_gqa(q, k, v)[:, :, 0]
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            t_paged = bench_ms(lambda a=args, n=length: paged_decode(*a, max_context_len=n))
+            t_sdpa = bench_ms(lambda q=q, k=k, v=v: sdpa_gqa(q, k, v))
+            kv_bytes = 2 * k.numel() * k.element_size()
+            block_n, _, _ = decode_config(HEAD_DIM, dtype)
+            splits = choose_num_splits(batch, num_kv_heads, length, block_n, num_sms(q.device))
+            rows.append(dict(
+                kernel="decode", heads=f"{num_heads}q/{num_kv_heads}kv",
+                shape=f"B={batch} L={length}",
+                paged_us=t_paged * 1e3, sdpa_us=t_sdpa * 1e3,
+                paged_tbs=kv_bytes / t_paged / 1e9, sdpa_tbs=kv_bytes / t_sdpa / 1e9,
+                ratio=t_paged / t_sdpa, rel_err=err, splits=splits,
+            ))
+            if sweep and num_heads == 16:
+                best = []
+                for bn in (32, 64, 128):
+                    for warps in (4, 8):
+                        for stages in (2, 3, 4):
+                            for s in sorted({1, splits, 2 * splits, max(1, splits // 2)}):
+                                fn = lambda a=args, n=length, c=(s, bn, warps, stages): (  # noqa: E731
+                                    paged_decode_launch(*a, n, *c)
+                                )
+                                try:
+                                    best.append((bench_ms(fn, 50), (s, bn, warps, stages)))
+                                except Exception as e:  # noqa: BLE001 - resource limits
+                                    print(f"  skip {(s, bn, warps, stages)}: {type(e).__name__}")
+                best.sort()
+                print(f"decode {num_heads}/{num_kv_heads} B={batch} L={length} "
+                      f"default {t_paged * 1e3:.1f}us; best (splits, BLOCK_N, warps, stages):")
+                for t, c in best[:5]:
+                    print(f"    {t * 1e3:8.1f}us {c}")
+            del k_cache, v_cache, k, v
+    return rows
+
+
+def prefill_flops(batch: int, q_len: int, prefix: int, num_heads: int) -> float:
+    # Causal: query j sees prefix + j + 1 keys; QK^T and PV are 2 * D flops per key each.
+    visible = q_len * prefix + q_len * (q_len + 1) / 2
+    return 4 * HEAD_DIM * visible * num_heads * batch
+
+
+def prefill_rows(sweep: bool) -> list[dict]:
+    from torch.nn.attention.bias import causal_lower_right
+
+    from nanopaged.kernels.paged_prefill import paged_prefill, paged_prefill_launch
+
+    rows = []
+    dtype = torch.bfloat16
+    for num_heads, num_kv_heads in HEAD_LAYOUTS:
+        group = num_heads // num_kv_heads
+        for batch, q_len, prefix in PREFILL_CASES:
+            length = prefix + q_len
+            q = torch.randn(batch, num_heads, q_len, HEAD_DIM, device="cuda", dtype=dtype)
+            k = torch.randn(batch, num_kv_heads, length, HEAD_DIM, device="cuda", dtype=dtype)
+            v = torch.randn_like(k)
+            k_cache, v_cache, block_tables = paged_copy(k, v)
+            context_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+            cu = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * q_len
+            # q_packed: [batch * q_len, num_heads, D]
+            q_packed = q.transpose(1, 2).reshape(-1, num_heads, HEAD_DIM).contiguous()
+            scale = HEAD_DIM**-0.5
+            args = (q_packed, k_cache, v_cache, block_tables, cu, context_lens, scale, q_len)
+            out = paged_prefill(*args)
+            # SDPA baseline on MHA-expanded K/V (expansion outside the timing).
+            k_rep = k.repeat_interleave(group, 1)
+            v_rep = v.repeat_interleave(group, 1)
+            if prefix:
+                mask = causal_lower_right(q_len, length)
+
+                def sdpa(mask=mask, k_rep=k_rep, v_rep=v_rep, q=q):
+                    return F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask)
+            else:
+
+                def sdpa(k_rep=k_rep, v_rep=v_rep, q=q):
+                    return F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True)
+
+            ref = sdpa().transpose(1, 2).reshape(-1, num_heads, HEAD_DIM)
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            t_paged = bench_ms(lambda a=args: paged_prefill(*a))
+            t_sdpa = bench_ms(sdpa)
+            flops = prefill_flops(batch, q_len, prefix, num_heads)
+            shape = f"{batch}x{q_len}" + (f"+{prefix} cached" if prefix else "")
+            rows.append(dict(
+                kernel="prefill", heads=f"{num_heads}q/{num_kv_heads}kv", shape=shape,
+                paged_us=t_paged * 1e3, sdpa_us=t_sdpa * 1e3,
+                paged_tflops=flops / t_paged / 1e9, sdpa_tflops=flops / t_sdpa / 1e9,
+                ratio=t_sdpa / t_paged, rel_err=err,
+            ))
+            if sweep and num_heads == 16:
+                best = []
+                for bm in (64, 128):
+                    for bn in (32, 64, 128):
+                        for warps in (4, 8):
+                            for stages in (2, 3, 4):
+                                c = (bm, bn, warps, stages)
+                                try:
+                                    best.append((bench_ms(
+                                        lambda a=args, c=c: paged_prefill_launch(*a, *c), 50), c))
+                                except Exception as e:  # noqa: BLE001 - resource limits
+                                    print(f"  skip {c}: {type(e).__name__}")
+                best.sort()
+                print(f"prefill {num_heads}/{num_kv_heads} {shape} default {t_paged * 1e3:.1f}us;"
+                      " best (BLOCK_M, BLOCK_N, warps, stages):")
+                for t, c in best[:5]:
+                    print(f"    {t * 1e3:8.1f}us {c}")
+            del k_cache, v_cache, k, v, k_rep, v_rep
+    return rows
+
+
+def markdown(rows: list[dict], device: str, copy_tbs: float) -> str:
+    lines = [f"device: {device}; device-to-device copy: {copy_tbs:.2f} TB/s (read + write)", ""]
+    lines += ["| kernel | heads | shape | paged µs | SDPA µs | paged | SDPA | ratio | rel err |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r["kernel"] == "decode":
+            rates = f"{r['paged_tbs']:.2f} TB/s | {r['sdpa_tbs']:.2f} TB/s"
+            ratio = f"{r['ratio']:.3f}× time (splits {r['splits']})"
+        else:
+            rates = f"{r['paged_tflops']:.0f} TFLOP/s | {r['sdpa_tflops']:.0f} TFLOP/s"
+            ratio = f"{r['ratio']:.3f}× throughput"
+        lines.append(f"| {r['kernel']} | {r['heads']} | {r['shape']} | {r['paged_us']:.1f} | "
+                     f"{r['sdpa_us']:.1f} | {rates} | {ratio} | {r['rel_err']:.1e} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run the kernel benchmarks, print a markdown table, optionally write JSON."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", help="write the rows to this path")
+    parser.add_argument("--sweep", action="store_true", help="also time launch-config variants")
+    parser.add_argument("--only", choices=["decode", "prefill"], help="run one kernel's cases")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("kernel_bench needs a CUDA device")
+    torch.manual_seed(0)
+    device = torch.cuda.get_device_name()
+    copy_tbs = copy_bandwidth()
+    rows = []
+    if args.only != "prefill":
+        rows += decode_rows(args.sweep)
+    if args.only != "decode":
+        rows += prefill_rows(args.sweep)
+    print(markdown(rows, device, copy_tbs))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=device, copy_tbs=copy_tbs, rows=rows), f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    main()
