@@ -215,6 +215,52 @@ class LLM:
         prompt_list = self._normalize_prompts(prompts)
         params = self._normalize_params(sampling_params, len(prompt_list))
         token_lists = [self._tokenize(p, i) for i, p in enumerate(prompt_list)]
+        return self._generate(prompt_list, token_lists, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation or a list of them."""
+        if not isinstance(messages, SequenceABC) or isinstance(messages, str) or not messages:
+            raise TypeError(
+                "messages must be a non-empty list of {'role', 'content'} dicts, or a list of "
+                "such lists"
+            )
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        for i, conv in enumerate(conversations):
+            if not isinstance(conv, SequenceABC) or not conv or not all(
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+                for m in conv
+            ):
+                raise TypeError(
+                    f"conversation {i} must be a non-empty list of dicts with str 'role' and "
+                    "'content'"
+                )
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer of {self.model_dir} has no chat template")
+        params = self._normalize_params(sampling_params, len(conversations))
+        texts = [
+            self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+            for conv in conversations
+        ]
+        token_lists = [
+            self._tokenize(self.tokenizer.encode(t, add_special_tokens=False), i)
+            for i, t in enumerate(texts)
+        ]
+        return self._generate(texts, token_lists, params, use_tqdm)
+
+    def _generate(
+        self,
+        prompt_list: list[PromptType],
+        token_lists: list[list[int]],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
         seqs: list[Sequence] = []
         for prompt_ids, p in zip(token_lists, params):
             seq = Sequence(prompt_ids, p, request_id=str(self._request_counter))

@@ -61,3 +61,21 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
             )
         outs.append(gen[0, len(prompt) :].tolist())
     return outs
+
+
+def add_byte_tokenizer(path: Path, vocab_size: int = 512) -> None:
+    """Save a byte-level tokenizer covering ids [0, vocab_size) beside a tiny model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab["<eos>"] = len(vocab)
+    # Two-byte tokens fill the rest, so every id the model can emit decodes to text.
+    pairs = (a + b for a in alphabet[33:] for b in alphabet[33:])
+    while len(vocab) < vocab_size:
+        vocab.setdefault(next(pairs), len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(path)

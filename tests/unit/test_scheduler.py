@@ -1,0 +1,124 @@
+"""Scheduler: chunked prefill, admission limits, preemption order, stop conditions."""
+
+from __future__ import annotations
+
+from nanopaged.engine.block_manager import BlockManager
+from nanopaged.engine.scheduler import Scheduler
+from nanopaged.engine.sequence import Sequence, SequenceStatus
+from nanopaged.sampling_params import SamplingParams
+
+BS = 4
+EOS = 99
+
+
+def _sched(num_blocks=64, max_num_seqs=8, budget=16, max_model_len=64, caching=True):
+    bm = BlockManager(num_blocks, BS, caching)
+    return Scheduler(bm, max_num_seqs, budget, max_model_len, {EOS})
+
+
+def _seq(n, start=0, **params) -> Sequence:
+    params.setdefault("max_tokens", 8)
+    return Sequence(list(range(start, start + n)), SamplingParams(**params))
+
+
+def _step(s: Scheduler, token: int = 1):
+    batch = s.schedule()
+    sampled = [token for i in range(len(batch)) if batch.samples(i)]
+    s.postprocess(batch, sampled)
+    return batch
+
+
+def test_chunked_prefill_respects_budget():
+    s = _sched(budget=16)
+    a, b = _seq(20), _seq(10, start=100)
+    s.add(a)
+    s.add(b)
+    batch = _step(s)
+    assert batch.seqs == [a] and batch.num_scheduled_tokens == [16]
+    assert a.num_output_tokens == 0  # mid-prefill: nothing sampled
+    batch = _step(s)
+    assert batch.seqs == [a, b] and batch.num_scheduled_tokens == [4, 10]
+    assert a.num_output_tokens == 1 and b.num_output_tokens == 1
+    batch = _step(s)
+    assert batch.num_scheduled_tokens == [1, 1]  # both decoding
+
+
+def test_max_num_seqs_bounds_running():
+    s = _sched(max_num_seqs=2, budget=100)
+    seqs = [_seq(3, start=10 * i) for i in range(3)]
+    for q in seqs:
+        s.add(q)
+    batch = _step(s)
+    assert batch.seqs == seqs[:2]
+    assert list(s.waiting) == [seqs[2]]
+
+
+def test_newest_running_sequence_is_preempted():
+    # 5 blocks of 4: a and b (8 tokens each) take 4; decoding needs 1 more block each.
+    s = _sched(num_blocks=5, budget=100, max_model_len=20)
+    a, b = _seq(8, max_tokens=8), _seq(8, start=50, max_tokens=8)
+    s.add(a)
+    s.add(b)
+    _step(s)  # prefill both: 4 blocks; each sampled one token (9 tokens, 8 computed)
+    batch = _step(s)  # a gets the last free block; b has none left: b (newest) is preempted
+    assert batch.seqs == [a]
+    assert b.status == SequenceStatus.WAITING and list(s.waiting) == [b]
+    assert b.block_table == [] and b.num_computed_tokens == 0
+    assert s.num_preemptions == 1
+    while s.has_unfinished():
+        _step(s)
+    assert a.num_output_tokens == 8 and b.num_output_tokens == 8
+    assert s.block_manager.num_free_blocks == 5
+
+
+def test_fully_cached_prompt_still_computes_a_token():
+    s = _sched(budget=100)
+    a = _seq(8, max_tokens=1)
+    s.add(a)
+    _step(s)
+    assert a.is_finished
+    b = _seq(8, max_tokens=1)
+    s.add(b)
+    batch = _step(s)
+    assert b.num_cached_tokens == 4  # first block only; the last block is recomputed
+    assert batch.num_scheduled_tokens == [4]
+    assert b.is_finished and b.num_output_tokens == 1
+
+
+def test_stop_conditions():
+    s = _sched(budget=100)
+    eos = _seq(3)
+    ignore = _seq(3, start=10, ignore_eos=True, max_tokens=2)
+    min_tok = _seq(3, start=20, min_tokens=2)
+    stop_id = _seq(3, start=30, stop_token_ids=[EOS + 1])
+    for q in (eos, ignore, min_tok, stop_id):
+        s.add(q)
+    batch = s.schedule()
+    s.postprocess(batch, [EOS, EOS, EOS, EOS + 1])
+    assert eos.finish_reason == "stop" and eos.stop_reason is None
+    assert stop_id.finish_reason == "stop" and stop_id.stop_reason == EOS + 1
+    assert not ignore.is_finished and not min_tok.is_finished
+    batch = s.schedule()
+    s.postprocess(batch, [EOS, EOS])
+    assert ignore.finish_reason == "length" and ignore.output_token_ids == [EOS, EOS]
+    assert min_tok.finish_reason == "stop"
+    assert not s.has_unfinished()
+
+
+def test_max_model_len_ends_sequence():
+    s = _sched(budget=100, max_model_len=6)
+    q = _seq(4, max_tokens=50)
+    s.add(q)
+    while s.has_unfinished():
+        _step(s)
+    assert len(q) == 6 and q.finish_reason == "length"
+
+
+def test_abort_all_frees_everything():
+    s = _sched(budget=6)
+    for i in range(3):
+        s.add(_seq(5, start=10 * i))
+    _step(s)
+    dropped = s.abort_all()
+    assert len(dropped) == 3 and not s.has_unfinished()
+    assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
