@@ -203,6 +203,19 @@ def test_tiny_round_trip_matches_hf(arch: str, tiny_ggufs: dict) -> None:
     assert tokenizer.decode(tokenizer("in the sea").input_ids) == "in the sea"
 
 
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_tiny_gguf_through_llm_matches_hf(arch: str, tiny_ggufs: dict) -> None:
+    """The engine, handed the .gguf path itself, reproduces the original model's greedy tokens."""
+    nanopaged = pytest.importorskip("nanopaged")
+    if not hasattr(nanopaged, "LLM"):
+        pytest.skip("nanopaged.LLM is not there yet")
+    original, path = tiny_ggufs[arch]
+    llm = nanopaged.LLM(path, device="cpu", kv_cache_memory=1 << 22)
+    params = nanopaged.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [greedy(original, p) for p in PROMPTS]
+
+
 def test_second_resolve_uses_cache(
     tiny_ggufs: dict, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
