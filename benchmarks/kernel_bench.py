@@ -64,13 +64,12 @@ def sdpa_gqa(q, k, v, is_causal=False):
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
 
 
-def decode_rows(sweep: bool) -> list[dict]:
+def decode_rows() -> list[dict]:
     from nanopaged.kernels.paged_decode import (
         choose_num_splits,
         decode_config,
         num_sms,
         paged_decode,
-        paged_decode_launch,
     )
 
     rows = []
@@ -100,24 +99,6 @@ def decode_rows(sweep: bool) -> list[dict]:
                 paged_tbs=kv_bytes / t_paged / 1e9, sdpa_tbs=kv_bytes / t_sdpa / 1e9,
                 ratio=t_paged / t_sdpa, rel_err=err, splits=splits,
             ))
-            if sweep and num_heads == 16:
-                best = []
-                for bn in (32, 64, 128):
-                    for warps in (4, 8):
-                        for stages in (2, 3, 4):
-                            for s in sorted({1, splits, 2 * splits, max(1, splits // 2)}):
-                                fn = lambda a=args, n=length, c=(s, bn, warps, stages): (  # noqa: E731
-                                    paged_decode_launch(*a, n, *c)
-                                )
-                                try:
-                                    best.append((bench_ms(fn, 50), (s, bn, warps, stages)))
-                                except Exception as e:  # noqa: BLE001 - resource limits
-                                    print(f"  skip {(s, bn, warps, stages)}: {type(e).__name__}")
-                best.sort()
-                print(f"decode {num_heads}/{num_kv_heads} B={batch} L={length} "
-                      f"default {t_paged * 1e3:.1f}us; best (splits, BLOCK_N, warps, stages):")
-                for t, c in best[:5]:
-                    print(f"    {t * 1e3:8.1f}us {c}")
             del k_cache, v_cache, k, v
     return rows
 
@@ -128,10 +109,10 @@ def prefill_flops(batch: int, q_len: int, prefix: int, num_heads: int) -> float:
     return 4 * HEAD_DIM * visible * num_heads * batch
 
 
-def prefill_rows(sweep: bool) -> list[dict]:
+def prefill_rows() -> list[dict]:
     from torch.nn.attention.bias import causal_lower_right
 
-    from nanopaged.kernels.paged_prefill import paged_prefill, paged_prefill_launch
+    from nanopaged.kernels.paged_prefill import paged_prefill
 
     rows = []
     dtype = torch.bfloat16
@@ -175,25 +156,64 @@ def prefill_rows(sweep: bool) -> list[dict]:
                 paged_tflops=flops / t_paged / 1e9, sdpa_tflops=flops / t_sdpa / 1e9,
                 ratio=t_sdpa / t_paged, rel_err=err,
             ))
-            if sweep and num_heads == 16:
-                best = []
-                for bm in (64, 128):
-                    for bn in (32, 64, 128):
-                        for warps in (4, 8):
-                            for stages in (2, 3, 4):
-                                c = (bm, bn, warps, stages)
-                                try:
-                                    best.append((bench_ms(
-                                        lambda a=args, c=c: paged_prefill_launch(*a, *c), 50), c))
-                                except Exception as e:  # noqa: BLE001 - resource limits
-                                    print(f"  skip {c}: {type(e).__name__}")
-                best.sort()
-                print(f"prefill {num_heads}/{num_kv_heads} {shape} default {t_paged * 1e3:.1f}us;"
-                      " best (BLOCK_M, BLOCK_N, warps, stages):")
-                for t, c in best[:5]:
-                    print(f"    {t * 1e3:8.1f}us {c}")
             del k_cache, v_cache, k, v, k_rep, v_rep
     return rows
+
+
+def sweep(json_path: str | None) -> None:
+    """Time launch-config variants (16q/8kv bf16) to pick the launchers' defaults."""
+    from nanopaged.kernels.paged_decode import paged_decode_launch
+    from nanopaged.kernels.paged_prefill import paged_prefill_launch
+
+    results = []
+    dtype = torch.bfloat16
+    for batch, length in [(8, 8192), (32, 2048), (2, 16384), (128, 1024)]:
+        q = torch.randn(batch, 16, HEAD_DIM, device="cuda", dtype=dtype)
+        k = torch.randn(batch, 8, length, HEAD_DIM, device="cuda", dtype=dtype)
+        k_cache, v_cache, block_tables = paged_copy(k, torch.randn_like(k))
+        context_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+        args = (q, k_cache, v_cache, block_tables, context_lens, HEAD_DIM**-0.5, length)
+        timed = []
+        for splits in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
+            for cfg in ((64, 4, 2), (64, 4, 3), (128, 4, 3), (128, 4, 4)):
+                ms = bench_ms(lambda a=args, c=(splits, *cfg): paged_decode_launch(*a, *c), 50)
+                timed.append((ms * 1e3, (splits, *cfg)))
+        timed.sort()
+        results.append(dict(kernel="decode", case=f"B={batch} L={length}", timed=timed))
+        print(f"decode B={batch} L={length}: (us, (splits, BLOCK_N, warps, stages))", timed[:6])
+        del k_cache, v_cache, k
+    configs = [(128, 32, 4, 2), (128, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2),
+               (64, 64, 4, 3), (64, 32, 4, 2)]
+    variants = [(False, False, False), (False, False, True), (True, False, True),
+                (False, True, True), (True, True, True), (True, False, False)]
+    for batch, q_len, prefix in PREFILL_CASES:
+        length = prefix + q_len
+        q = torch.randn(batch * q_len, 16, HEAD_DIM, device="cuda", dtype=dtype)
+        k = torch.randn(batch, 8, length, HEAD_DIM, device="cuda", dtype=dtype)
+        k_cache, v_cache, block_tables = paged_copy(k, torch.randn_like(k))
+        context_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+        cu = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * q_len
+        args = (q, k_cache, v_cache, block_tables, cu, context_lens, HEAD_DIM**-0.5, q_len)
+        flops = prefill_flops(batch, q_len, prefix, 16)
+        timed = []
+        for cfg in configs:
+            for variant in variants:
+                c = (*cfg, *variant)
+                try:
+                    ms = bench_ms(lambda a=args, c=c: paged_prefill_launch(*a, *c), 50)
+                except Exception as e:  # noqa: BLE001 - a config past the chip's limits
+                    print(f"  skip {c}: {type(e).__name__}: {str(e)[:80]}")
+                    continue
+                timed.append((flops / ms / 1e9, c))
+        timed.sort(reverse=True)
+        case = f"{batch}x{q_len}+{prefix}"
+        results.append(dict(kernel="prefill", case=case, timed=timed))
+        print(f"prefill {case}: (TFLOP/s, (BLOCK_M, BLOCK_N, warps, stages, prefetch, k_t, "
+              "pack))", [(round(t), c) for t, c in timed[:6]])
+        del k_cache, v_cache, k
+    if json_path:
+        with open(json_path.replace(".json", "_sweep.json"), "w") as f:
+            json.dump(results, f)
 
 
 def markdown(rows: list[dict], device: str, copy_tbs: float) -> str:
@@ -226,10 +246,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     copy_tbs = copy_bandwidth()
     rows = []
     if args.only != "prefill":
-        rows += decode_rows(args.sweep)
+        rows += decode_rows()
     if args.only != "decode":
-        rows += prefill_rows(args.sweep)
+        rows += prefill_rows()
     print(markdown(rows, device, copy_tbs))
+    if args.sweep:
+        sweep(args.json)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=device, copy_tbs=copy_tbs, rows=rows), f, indent=1)

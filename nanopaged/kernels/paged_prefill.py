@@ -55,6 +55,51 @@ def paged_prefill_ref(
 if triton is not None:
 
     @triton.jit
+    def _load_kv_tile(
+        k_cache_ptr, v_cache_ptr, blocks, tokens, tok_mask, dims, head_off,
+        stride_cb, stride_ct,
+        BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, K_TRANSPOSED: tl.constexpr,
+    ):
+        # blocks: [BLOCK_N] physical block of each token -> k: [BLOCK_N, D] or [D, BLOCK_N]
+        offs = blocks * stride_cb + (tokens % BLOCK_SIZE) * stride_ct + head_off
+        if K_TRANSPOSED:
+            k_ptrs = k_cache_ptr + offs[None, :] + dims[:, None]
+            k_mask = tok_mask[None, :]
+        else:
+            k_ptrs = k_cache_ptr + offs[:, None] + dims[None, :]
+            k_mask = tok_mask[:, None]
+        v_ptrs = v_cache_ptr + offs[:, None] + dims[None, :]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=tok_mask[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        return k, v
+
+    @triton.jit
+    def _softmax_update(q, k, v, m_i, l_i, acc, visible, qk_scale,
+                        MASKED: tl.constexpr, K_TRANSPOSED: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
+        # One online-softmax step over a key tile; scores stay in log2 units, fp32.
+        if K_TRANSPOSED:
+            s = tl.dot(q, k, input_precision=DOT_PRECISION)
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if MASKED:
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            # Rows past q_len may see no key at all: keep their max finite.
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _paged_prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
         out_ptr, qk_scale,
@@ -62,73 +107,89 @@ if triton is not None:
         stride_cb, stride_ct, stride_ch,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+        PREFETCH: tl.constexpr, K_TRANSPOSED: tl.constexpr, PACK_GQA: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
-        # Grid: (head, sequence, query tile); the costliest (last) query tiles launch first.
-        head = tl.program_id(0)
+        # Grid: (head or KV head, sequence, query tile); the costliest (last) tiles launch first.
+        # PACK_GQA: one program's BLOCK_M rows are (query, head) pairs of one KV head's group,
+        # query-major, so each K/V tile serves the whole group.
         seq = tl.program_id(1)
         m_block = tl.num_programs(2) - 1 - tl.program_id(2)
         q_start = tl.load(cu_seqlens_q_ptr + seq)
         q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-        m0 = m_block * BLOCK_M
-        if m0 >= q_len:
-            return
+        if PACK_GQA:
+            kv_head = tl.program_id(0)
+            row0 = m_block * BLOCK_M
+            if row0 >= q_len * GROUP:
+                return
+            packed = row0 + tl.arange(0, BLOCK_M)
+            rows = packed // GROUP
+            heads = kv_head * GROUP + packed % GROUP
+            first_row = row0 // GROUP
+            rows_end = tl.minimum((row0 + BLOCK_M - 1) // GROUP + 1, q_len)
+        else:
+            head = tl.program_id(0)
+            kv_head = head // GROUP
+            first_row = m_block * BLOCK_M
+            if first_row >= q_len:
+                return
+            rows = first_row + tl.arange(0, BLOCK_M)
+            heads = head + tl.zeros([BLOCK_M], tl.int32)
+            rows_end = tl.minimum(first_row + BLOCK_M, q_len)
         context_len = tl.load(context_lens_ptr + seq)
         prefix = context_len - q_len  # cached tokens before this step's queries
-        rows = m0 + tl.arange(0, BLOCK_M)
         row_mask = rows < q_len
         q_pos = prefix + rows
         dims = tl.arange(0, HEAD_DIM)
         # q: [BLOCK_M, HEAD_DIM]
         q_rows = (q_start + rows).to(tl.int64)
-        q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :],
-                    mask=row_mask[:, None], other=0.0)
+        q_offs = q_rows * stride_qt + heads * stride_qh
+        o_offs = q_rows * stride_ot + heads * stride_oh
+        q = tl.load(q_ptr + q_offs[:, None] + dims[None, :], mask=row_mask[:, None], other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        head_off = (head // GROUP) * stride_ch
+        head_off = kv_head * stride_ch
+        n_offs = tl.arange(0, BLOCK_N)
         # Keys below the tile's first query position are visible to every row: no masks.
-        full_end = (prefix + m0 + 1) // BLOCK_N * BLOCK_N
-        for n0 in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
-            tokens = n0 + tl.arange(0, BLOCK_N)
-            blocks = tl.load(table + tokens // BLOCK_SIZE).to(tl.int64)
-            offs = blocks * stride_cb + (tokens % BLOCK_SIZE) * stride_ct + head_off
-            k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :])
-            v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :])
-            # s: [BLOCK_M, BLOCK_N], in log2 units
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+        full_end = (prefix + first_row + 1) // BLOCK_N * BLOCK_N
+        if PREFETCH:
+            # Block ids one tile ahead, so a tile's loads do not wait on its table lookup.
+            blocks = tl.load(table + n_offs // BLOCK_SIZE, mask=n_offs < full_end, other=0)
+            for n0 in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
+                tokens = n0 + n_offs
+                k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, blocks.to(tl.int64), tokens,
+                                     tokens < full_end, dims, head_off, stride_cb, stride_ct,
+                                     BLOCK_SIZE, False, K_TRANSPOSED)
+                nxt = tokens + BLOCK_N
+                blocks = tl.load(table + nxt // BLOCK_SIZE, mask=nxt < full_end, other=0)
+                m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, None, qk_scale,
+                                                False, K_TRANSPOSED, DOT_PRECISION)
+        else:
+            for n0 in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
+                tokens = n0 + n_offs
+                blocks = tl.load(table + tokens // BLOCK_SIZE).to(tl.int64)
+                k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, blocks, tokens, tokens < full_end,
+                                     dims, head_off, stride_cb, stride_ct,
+                                     BLOCK_SIZE, False, K_TRANSPOSED)
+                m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, None, qk_scale,
+                                                False, K_TRANSPOSED, DOT_PRECISION)
         # The diagonal: causal mask, and no read past this tile's last query position.
-        kv_end = prefix + tl.minimum(m0 + BLOCK_M, q_len)
+        kv_end = prefix + rows_end
         for n0 in tl.range(full_end, kv_end, BLOCK_N):
-            tokens = n0 + tl.arange(0, BLOCK_N)
+            tokens = n0 + n_offs
             tok_mask = tokens < kv_end
-            blocks = tl.load(table + tokens // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
-            offs = blocks * stride_cb + (tokens % BLOCK_SIZE) * stride_ct + head_off
-            k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=tok_mask[:, None],
-                        other=0.0)
-            v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=tok_mask[:, None],
-                        other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            diag_blocks = tl.load(table + tokens // BLOCK_SIZE, mask=tok_mask, other=0)
+            k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, diag_blocks.to(tl.int64), tokens,
+                                 tok_mask, dims, head_off, stride_cb, stride_ct,
+                                 BLOCK_SIZE, True, K_TRANSPOSED)
             visible = (tokens[None, :] <= q_pos[:, None]) & tok_mask[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # Rows past q_len may see no key at all: keep their max finite.
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, visible, qk_scale,
+                                            True, K_TRANSPOSED, DOT_PRECISION)
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        tl.store(out_ptr + o_offs[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None])
 
 
 def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -155,6 +216,9 @@ def paged_prefill_launch(
     block_n: int,
     num_warps: int,
     num_stages: int,
+    prefetch: bool = False,
+    k_transposed: bool = False,
+    pack_gqa: bool = False,
 ) -> torch.Tensor:
     """paged_prefill with every launch choice explicit (tests and the benchmark sweep use it)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -163,14 +227,19 @@ def paged_prefill_launch(
     out = torch.empty_like(q)
     if num_tokens == 0 or batch == 0 or max_seqlen_q == 0:
         return out
-    grid = (num_heads, batch, triton.cdiv(max_seqlen_q, block_m))
+    group = num_heads // num_kv_heads
+    if pack_gqa:
+        grid = (num_kv_heads, batch, triton.cdiv(max_seqlen_q * group, block_m))
+    else:
+        grid = (num_heads, batch, triton.cdiv(max_seqlen_q, block_m))
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
         scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, PREFETCH=prefetch,
+        K_TRANSPOSED=k_transposed, PACK_GQA=pack_gqa,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     return out

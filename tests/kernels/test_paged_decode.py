@@ -28,6 +28,7 @@ CPU_CASES = [
     (8, 4, 128, f32, 2),
     (32, 2, 128, f32, 1),
     (128, 1, 64, f16, 2),
+    (16, 3, 64, f32, 2),  # a group that is not a power of two
 ]
 
 

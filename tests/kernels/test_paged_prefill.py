@@ -67,12 +67,19 @@ def test_prefill(block_size, group, head_dim, dtype, num_kv_heads):
     check(inputs, paged_prefill(*inputs, 0.1, max_q), dtype)
 
 
-@pytest.mark.parametrize("block_size,group,head_dim,dtype,num_kv_heads", CPU_CASES[::2])
-def test_prefill_small_tiles(block_size, group, head_dim, dtype, num_kv_heads):
+# (prefetch, k_transposed, pack_gqa): the kernel's code-path variants.
+VARIANTS = [(False, False, False), (True, True, False), (False, False, True), (True, False, True)]
+
+
+@pytest.mark.parametrize("block_size,group,head_dim,dtype,num_kv_heads",
+                         [*CPU_CASES[::2], (16, 3, 64, f32, 2)])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prefill_small_tiles(block_size, group, head_dim, dtype, num_kv_heads, variant):
     # 16x16 tiles: several query tiles per sequence and unmasked key tiles before the diagonal.
     inputs, max_q = make_inputs(mixed_spec(block_size), block_size, group, head_dim, dtype,
                                 num_kv_heads)
-    check(inputs, paged_prefill_launch(*inputs, 0.1, max_q, 16, 16, 4, 2), dtype)
+    out = paged_prefill_launch(*inputs, 0.1, max_q, 16, 16, 4, 2, *variant)
+    check(inputs, out, dtype)
 
 
 def test_prefill_all_single_token():
