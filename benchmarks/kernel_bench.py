@@ -161,56 +161,70 @@ def prefill_rows() -> list[dict]:
 
 
 def sweep(json_path: str | None) -> None:
-    """Time launch-config variants (16q/8kv bf16) to pick the launchers' defaults."""
+    """Time launch-config variants (bf16) to pick the launchers' defaults."""
     from nanopaged.kernels.paged_decode import paged_decode_launch
     from nanopaged.kernels.paged_prefill import paged_prefill_launch
 
     results = []
     dtype = torch.bfloat16
-    for batch, length in [(8, 8192), (32, 2048), (2, 16384), (128, 1024)]:
+    decode_cfgs = [(64, 4, 3, True), (64, 4, 3, False), (128, 4, 3, True), (128, 4, 3, False),
+                   (64, 4, 2, True), (128, 4, 4, True), (32, 4, 3, True)]
+    for batch, length in [(8, 8192), (2, 16384), (32, 2048), (128, 1024), (256, 1024)]:
         q = torch.randn(batch, 16, HEAD_DIM, device="cuda", dtype=dtype)
         k = torch.randn(batch, 8, length, HEAD_DIM, device="cuda", dtype=dtype)
         k_cache, v_cache, block_tables = paged_copy(k, torch.randn_like(k))
         context_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
         args = (q, k_cache, v_cache, block_tables, context_lens, HEAD_DIM**-0.5, length)
         timed = []
-        for splits in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
-            for cfg in ((64, 4, 2), (64, 4, 3), (128, 4, 3), (128, 4, 4)):
-                ms = bench_ms(lambda a=args, c=(splits, *cfg): paged_decode_launch(*a, *c), 50)
-                timed.append((ms * 1e3, (splits, *cfg)))
-        timed.sort()
-        results.append(dict(kernel="decode", case=f"B={batch} L={length}", timed=timed))
-        print(f"decode B={batch} L={length}: (us, (splits, BLOCK_N, warps, stages))", timed[:6])
-        del k_cache, v_cache, k
-    configs = [(128, 32, 4, 2), (128, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2),
-               (64, 64, 4, 3), (64, 32, 4, 2)]
-    variants = [(False, False, False), (False, False, True), (True, False, True),
-                (False, True, True), (True, True, True), (True, False, False)]
-    for batch, q_len, prefix in PREFILL_CASES:
-        length = prefix + q_len
-        q = torch.randn(batch * q_len, 16, HEAD_DIM, device="cuda", dtype=dtype)
-        k = torch.randn(batch, 8, length, HEAD_DIM, device="cuda", dtype=dtype)
-        k_cache, v_cache, block_tables = paged_copy(k, torch.randn_like(k))
-        context_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
-        cu = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * q_len
-        args = (q, k_cache, v_cache, block_tables, cu, context_lens, HEAD_DIM**-0.5, q_len)
-        flops = prefill_flops(batch, q_len, prefix, 16)
-        timed = []
-        for cfg in configs:
-            for variant in variants:
-                c = (*cfg, *variant)
+        for splits in (1, 2, 3, 4, 6, 8, 12, 16, 32):
+            if batch >= 128 and splits > 2:
+                continue
+            for cfg in decode_cfgs:
+                c = (splits, *cfg)
                 try:
-                    ms = bench_ms(lambda a=args, c=c: paged_prefill_launch(*a, *c), 50)
+                    ms = bench_ms(lambda a=args, c=c: paged_decode_launch(*a, *c), 50)
                 except Exception as e:  # noqa: BLE001 - a config past the chip's limits
                     print(f"  skip {c}: {type(e).__name__}: {str(e)[:80]}")
                     continue
-                timed.append((flops / ms / 1e9, c))
-        timed.sort(reverse=True)
-        case = f"{batch}x{q_len}+{prefix}"
-        results.append(dict(kernel="prefill", case=case, timed=timed))
-        print(f"prefill {case}: (TFLOP/s, (BLOCK_M, BLOCK_N, warps, stages, prefetch, k_t, "
-              "pack))", [(round(t), c) for t, c in timed[:6]])
+                timed.append((ms * 1e3, c))
+        timed.sort()
+        kv_bytes = 2 * k.numel() * k.element_size()
+        results.append(dict(kernel="decode", case=f"B={batch} L={length}", timed=timed))
+        print(f"decode B={batch} L={length} (us, TB/s, (splits, BLOCK_N, warps, stages, prefetch))")
+        for t, c in timed[:8]:
+            print(f"    {t:7.1f} {kv_bytes / t / 1e6:5.2f} {c}")
         del k_cache, v_cache, k
+    prefill_cfgs = [(64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4),
+                    (64, 32, 4, 2), (64, 32, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3),
+                    (128, 32, 4, 2)]
+    variants = [(1, False), (1, True), (2, False), (2, True)]
+    for num_heads, num_kv_heads in HEAD_LAYOUTS:
+        for batch, q_len, prefix in PREFILL_CASES:
+            length = prefix + q_len
+            q = torch.randn(batch * q_len, num_heads, HEAD_DIM, device="cuda", dtype=dtype)
+            k = torch.randn(batch, num_kv_heads, length, HEAD_DIM, device="cuda", dtype=dtype)
+            k_cache, v_cache, block_tables = paged_copy(k, torch.randn_like(k))
+            context_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+            cu = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * q_len
+            args = (q, k_cache, v_cache, block_tables, cu, context_lens, HEAD_DIM**-0.5, q_len)
+            flops = prefill_flops(batch, q_len, prefix, num_heads)
+            timed = []
+            for cfg in prefill_cfgs:
+                for variant in variants:
+                    c = (*cfg, *variant)
+                    try:
+                        ms = bench_ms(lambda a=args, c=c: paged_prefill_launch(*a, *c), 50)
+                    except Exception as e:  # noqa: BLE001 - a config past the chip's limits
+                        print(f"  skip {c}: {type(e).__name__}: {str(e)[:80]}")
+                        continue
+                    timed.append((flops / ms / 1e9, c))
+            timed.sort(reverse=True)
+            case = f"{num_heads}/{num_kv_heads} {batch}x{q_len}+{prefix}"
+            results.append(dict(kernel="prefill", case=case, timed=timed))
+            print(f"prefill {case} (TFLOP/s, (BLOCK_M, BLOCK_N, warps, stages, prefetch, pack))")
+            for t, c in timed[:8]:
+                print(f"    {t:5.0f} {c}")
+            del k_cache, v_cache, k
     if json_path:
         with open(json_path.replace(".json", "_sweep.json"), "w") as f:
             json.dump(results, f)

@@ -104,7 +104,7 @@ if triton is not None:
         stride_cb, stride_ct, stride_ch,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-        NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         # One program: all GROUP query heads of one KV head of one sequence, over one KV split,
         # so every K/V tile is read once; the group is padded to GROUP_PAD >= 16 dot rows.
@@ -135,22 +135,31 @@ if triton is not None:
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         table = block_tables_ptr + seq64 * stride_bt
         head_off = kv_head * stride_ch
+        n_offs = tl.arange(0, BLOCK_N)
+        # PREFETCH: look the next tile's block ids up one tile ahead, so a tile's K/V loads do
+        # not wait on their own table lookup.
+        blocks = tl.load(table + (start + n_offs) // BLOCK_SIZE, mask=start + n_offs < end,
+                         other=0)
         for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
-            tokens = n0 + tl.arange(0, BLOCK_N)
+            tokens = n0 + n_offs
             tok_mask = tokens < end
-            blocks = tl.load(table + tokens // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
-            offs = blocks * stride_cb + (tokens % BLOCK_SIZE) * stride_ct + head_off
+            if not PREFETCH:
+                blocks = tl.load(table + tokens // BLOCK_SIZE, mask=tok_mask, other=0)
+            offs = blocks.to(tl.int64) * stride_cb + (tokens % BLOCK_SIZE) * stride_ct + head_off
+            if PREFETCH:
+                nxt = tokens + BLOCK_N
+                blocks = tl.load(table + nxt // BLOCK_SIZE, mask=nxt < end, other=0)
             # k, v: [BLOCK_N, HEAD_DIM]
             k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=tok_mask[:, None],
                         other=0.0)
             v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=tok_mask[:, None],
                         other=0.0)
-            # s: [GROUP_PAD, BLOCK_N], in log2 units
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            # s: [GROUP_PAD, BLOCK_N]; scores in log2 units
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             s = tl.where(tok_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
             alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
+            p = tl.exp2(s * qk_scale - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
@@ -224,6 +233,7 @@ def paged_decode_launch(
     block_n: int,
     num_warps: int,
     num_stages: int,
+    prefetch: bool = True,
 ) -> torch.Tensor:
     """paged_decode with every launch choice explicit (tests and the benchmark sweep use it)."""
     batch, num_heads, head_dim = q.shape
@@ -250,6 +260,7 @@ def paged_decode_launch(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, NUM_STAGES=num_stages,
+        PREFETCH=prefetch,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     if split:

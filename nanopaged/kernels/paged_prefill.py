@@ -55,22 +55,19 @@ def paged_prefill_ref(
 if triton is not None:
 
     @triton.jit
-    def _load_kv_tile(
-        k_cache_ptr, v_cache_ptr, blocks, tokens, tok_mask, dims, head_off,
-        stride_cb, stride_ct,
-        BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, K_TRANSPOSED: tl.constexpr,
-    ):
-        # blocks: [BLOCK_N] physical block of each token -> k: [BLOCK_N, D] or [D, BLOCK_N]
-        offs = blocks * stride_cb + (tokens % BLOCK_SIZE) * stride_ct + head_off
-        if K_TRANSPOSED:
-            k_ptrs = k_cache_ptr + offs[None, :] + dims[:, None]
-            k_mask = tok_mask[None, :]
-        else:
-            k_ptrs = k_cache_ptr + offs[:, None] + dims[None, :]
-            k_mask = tok_mask[:, None]
+    def _table_lookup(table, tokens, end, BLOCK_SIZE: tl.constexpr):
+        # Physical block of each token (0 past end, never read beyond the context).
+        return tl.load(table + tokens // BLOCK_SIZE, mask=tokens < end, other=0)
+
+    @triton.jit
+    def _load_kv_tile(k_cache_ptr, v_cache_ptr, blocks, tokens, tok_mask, dims, head_off,
+                      stride_cb, stride_ct, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+        # blocks: [BLOCK_N] physical block of each token -> k, v: [BLOCK_N, HEAD_DIM]
+        offs = blocks.to(tl.int64) * stride_cb + (tokens % BLOCK_SIZE) * stride_ct + head_off
+        k_ptrs = k_cache_ptr + offs[:, None] + dims[None, :]
         v_ptrs = v_cache_ptr + offs[:, None] + dims[None, :]
         if MASKED:
-            k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+            k = tl.load(k_ptrs, mask=tok_mask[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=tok_mask[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
@@ -79,13 +76,9 @@ if triton is not None:
 
     @triton.jit
     def _softmax_update(q, k, v, m_i, l_i, acc, visible, qk_scale,
-                        MASKED: tl.constexpr, K_TRANSPOSED: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr):
+                        MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
         # One online-softmax step over a key tile; scores stay in log2 units, fp32.
-        if K_TRANSPOSED:
-            s = tl.dot(q, k, input_precision=DOT_PRECISION)
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
@@ -107,7 +100,7 @@ if triton is not None:
         stride_cb, stride_ct, stride_ch,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
-        PREFETCH: tl.constexpr, K_TRANSPOSED: tl.constexpr, PACK_GQA: tl.constexpr,
+        PREFETCH: tl.constexpr, PACK_GQA: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
         # Grid: (head or KV head, sequence, query tile); the costliest (last) tiles launch first.
@@ -153,40 +146,48 @@ if triton is not None:
         head_off = kv_head * stride_ch
         n_offs = tl.arange(0, BLOCK_N)
         # Keys below the tile's first query position are visible to every row: no masks.
+        # PREFETCH looks block ids up 1 or 2 tiles ahead, so a tile's K/V loads never wait on
+        # their own table lookup (the software pipeliner alone does not hide it).
         full_end = (prefix + first_row + 1) // BLOCK_N * BLOCK_N
-        if PREFETCH:
-            # Block ids one tile ahead, so a tile's loads do not wait on its table lookup.
-            blocks = tl.load(table + n_offs // BLOCK_SIZE, mask=n_offs < full_end, other=0)
+        if PREFETCH == 0:
             for n0 in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
                 tokens = n0 + n_offs
-                k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, blocks.to(tl.int64), tokens,
-                                     tokens < full_end, dims, head_off, stride_cb, stride_ct,
-                                     BLOCK_SIZE, False, K_TRANSPOSED)
-                nxt = tokens + BLOCK_N
-                blocks = tl.load(table + nxt // BLOCK_SIZE, mask=nxt < full_end, other=0)
-                m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, None, qk_scale,
-                                                False, K_TRANSPOSED, DOT_PRECISION)
+                blocks = _table_lookup(table, tokens, full_end, BLOCK_SIZE)
+                k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, blocks, tokens, None, dims,
+                                     head_off, stride_cb, stride_ct, BLOCK_SIZE, False)
+                m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, None, qk_scale, False,
+                                                DOT_PRECISION)
+        elif PREFETCH == 1:
+            blocks = _table_lookup(table, n_offs, full_end, BLOCK_SIZE)
+            for n0 in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
+                tokens = n0 + n_offs
+                k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, blocks, tokens, None, dims,
+                                     head_off, stride_cb, stride_ct, BLOCK_SIZE, False)
+                blocks = _table_lookup(table, tokens + BLOCK_N, full_end, BLOCK_SIZE)
+                m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, None, qk_scale, False,
+                                                DOT_PRECISION)
         else:
+            blocks = _table_lookup(table, n_offs, full_end, BLOCK_SIZE)
+            blocks_next = _table_lookup(table, n_offs + BLOCK_N, full_end, BLOCK_SIZE)
             for n0 in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
                 tokens = n0 + n_offs
-                blocks = tl.load(table + tokens // BLOCK_SIZE).to(tl.int64)
-                k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, blocks, tokens, tokens < full_end,
-                                     dims, head_off, stride_cb, stride_ct,
-                                     BLOCK_SIZE, False, K_TRANSPOSED)
-                m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, None, qk_scale,
-                                                False, K_TRANSPOSED, DOT_PRECISION)
+                k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, blocks, tokens, None, dims,
+                                     head_off, stride_cb, stride_ct, BLOCK_SIZE, False)
+                blocks = blocks_next
+                blocks_next = _table_lookup(table, tokens + 2 * BLOCK_N, full_end, BLOCK_SIZE)
+                m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, None, qk_scale, False,
+                                                DOT_PRECISION)
         # The diagonal: causal mask, and no read past this tile's last query position.
         kv_end = prefix + rows_end
         for n0 in tl.range(full_end, kv_end, BLOCK_N):
             tokens = n0 + n_offs
             tok_mask = tokens < kv_end
-            diag_blocks = tl.load(table + tokens // BLOCK_SIZE, mask=tok_mask, other=0)
-            k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, diag_blocks.to(tl.int64), tokens,
-                                 tok_mask, dims, head_off, stride_cb, stride_ct,
-                                 BLOCK_SIZE, True, K_TRANSPOSED)
+            diag_blocks = _table_lookup(table, tokens, kv_end, BLOCK_SIZE)
+            k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, diag_blocks, tokens, tok_mask, dims,
+                                 head_off, stride_cb, stride_ct, BLOCK_SIZE, True)
             visible = (tokens[None, :] <= q_pos[:, None]) & tok_mask[None, :]
-            m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, visible, qk_scale,
-                                            True, K_TRANSPOSED, DOT_PRECISION)
+            m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, visible, qk_scale, True,
+                                            DOT_PRECISION)
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + o_offs[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_mask[:, None])
@@ -216,8 +217,7 @@ def paged_prefill_launch(
     block_n: int,
     num_warps: int,
     num_stages: int,
-    prefetch: bool = False,
-    k_transposed: bool = False,
+    prefetch: int = 0,
     pack_gqa: bool = False,
 ) -> torch.Tensor:
     """paged_prefill with every launch choice explicit (tests and the benchmark sweep use it)."""
@@ -239,7 +239,7 @@ def paged_prefill_launch(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, PREFETCH=prefetch,
-        K_TRANSPOSED=k_transposed, PACK_GQA=pack_gqa,
+        PACK_GQA=pack_gqa,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     return out

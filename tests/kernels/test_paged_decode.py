@@ -58,12 +58,13 @@ def test_decode(block_size, group, head_dim, dtype, num_kv_heads):
 
 
 @pytest.mark.parametrize("block_size,group,head_dim,dtype,num_kv_heads", CPU_CASES)
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_small_tiles(block_size, group, head_dim, dtype, num_kv_heads, num_splits):
+@pytest.mark.parametrize("num_splits,prefetch", [(1, True), (3, True), (1, False), (3, False)])
+def test_decode_small_tiles(block_size, group, head_dim, dtype, num_kv_heads, num_splits,
+                            prefetch):
     # 16-token tiles: many loop iterations, tiles smaller than a block, splits inside blocks.
     lens = mixed_lens(block_size)
     inputs = make_inputs(lens, block_size, group, head_dim, dtype, num_kv_heads)
-    out = paged_decode_launch(*inputs, 0.1, max(lens), num_splits, 16, 4, 2)
+    out = paged_decode_launch(*inputs, 0.1, max(lens), num_splits, 16, 4, 2, prefetch)
     check(*inputs, out, dtype)
 
 

@@ -67,8 +67,8 @@ def test_prefill(block_size, group, head_dim, dtype, num_kv_heads):
     check(inputs, paged_prefill(*inputs, 0.1, max_q), dtype)
 
 
-# (prefetch, k_transposed, pack_gqa): the kernel's code-path variants.
-VARIANTS = [(False, False, False), (True, True, False), (False, False, True), (True, False, True)]
+# (prefetch distance, pack_gqa): the kernel's code-path variants.
+VARIANTS = [(0, False), (1, False), (2, False), (0, True), (1, True), (2, True)]
 
 
 @pytest.mark.parametrize("block_size,group,head_dim,dtype,num_kv_heads",
