@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from nanopaged.config import EngineConfig, ModelConfig
+from nanopaged.engine.cuda_graph import DecodeGraphs
 from nanopaged.engine.scheduler import ScheduledBatch
 from nanopaged.engine.sequence import Sequence
 from nanopaged.layers.attention import Attention, AttentionMetadata
@@ -67,6 +68,18 @@ class ModelRunner:
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]
+        self.graphs: DecodeGraphs | None = None
+        if device.type == "cuda" and not engine_config.enforce_eager:
+            self.graphs = DecodeGraphs(
+                self.model,
+                engine_config.max_num_seqs,
+                max_model_len,
+                self.block_size,
+                model_config.hidden_size,
+                dtype,
+                device,
+            )
+            self.graphs.capture()
 
     # ---- sizing --------------------------------------------------------------------------
     @property
@@ -127,33 +140,55 @@ class ModelRunner:
         return max(0, int(total * self.config.gpu_memory_utilization) - peak - not_torch)
 
     # ---- one step ------------------------------------------------------------------------
-    def _metadata(
+    def _host_arrays(
         self, num_scheduled: list[int], starts: list[int], block_tables: list[list[int]]
-    ) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Positions of the scheduled tokens and the metadata to find them in the cache."""
+    ) -> dict[str, np.ndarray]:
+        """The step's positions, slots, tables and lengths, built in bulk on the host."""
         bs = self.block_size
         batch = len(num_scheduled)
         max_blocks = max(len(t) for t in block_tables)
         tables = np.zeros((batch, max_blocks), dtype=np.int32)
         for i, t in enumerate(block_tables):
             tables[i, : len(t)] = t
-        q_lens = np.asarray(num_scheduled, dtype=np.int32)
-        context_lens = np.asarray(starts, dtype=np.int32) + q_lens
+        q_lens = np.asarray(num_scheduled, dtype=np.int64)
+        starts_np = np.asarray(starts, dtype=np.int64)
         cu = np.zeros(batch + 1, dtype=np.int32)
         np.cumsum(q_lens, out=cu[1:])
-        # pos: [num_tokens] position of each scheduled token; slots through the block tables
-        seq_idx = np.repeat(np.arange(batch), q_lens)
-        pos = np.arange(cu[-1]) - np.repeat(cu[:-1], q_lens) + np.repeat(starts, q_lens)
+        if int(cu[-1]) == batch:  # decode: one token per sequence
+            seq_idx, pos = np.arange(batch), starts_np
+        else:
+            seq_idx = np.repeat(np.arange(batch), q_lens)
+            pos = np.arange(cu[-1]) - np.repeat(cu[:-1].astype(np.int64) - starts_np, q_lens)
         slots = tables[seq_idx, pos // bs].astype(np.int64) * bs + pos % bs
+        return dict(
+            positions=pos,
+            slots=slots,
+            tables=tables,
+            context_lens=(starts_np + q_lens).astype(np.int32),
+            cu_seqlens_q=cu,
+        )
+
+    def _metadata(
+        self, num_scheduled: list[int], starts: list[int], block_tables: list[list[int]]
+    ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Positions of the scheduled tokens and the metadata to find them in the cache."""
+        host = self._host_arrays(num_scheduled, starts, block_tables)
+        return self._device_metadata(host)
+
+    def _device_metadata(self, host: dict[str, np.ndarray]) -> tuple[torch.Tensor, AttentionMetadata]:
         dev = self.device
-        positions = torch.from_numpy(pos).to(dev, non_blocking=True)
-        return positions, AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
-            context_lens=torch.from_numpy(context_lens).to(dev, non_blocking=True),
-            cu_seqlens_q=torch.from_numpy(cu).to(dev, non_blocking=True),
-            max_seqlen_q=int(q_lens.max()),
-            max_context_len=int(context_lens.max()),
+
+        def put(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev, non_blocking=True)
+
+        cu = host["cu_seqlens_q"]
+        return put(host["positions"]), AttentionMetadata(
+            slot_mapping=put(host["slots"]),
+            block_tables=put(host["tables"]),
+            context_lens=put(host["context_lens"]),
+            cu_seqlens_q=put(cu),
+            max_seqlen_q=int((cu[1:] - cu[:-1]).max()),
+            max_context_len=int(host["context_lens"].max()),
         )
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
@@ -189,12 +224,17 @@ class ModelRunner:
         input_ids: list[int] = []
         for seq, start, n in zip(seqs, starts, batch.num_scheduled_tokens):
             input_ids.extend(seq.token_ids[start : start + n])
-        positions, meta = self._metadata(
-            batch.num_scheduled_tokens, starts, [s.block_table for s in seqs]
-        )
+        host = self._host_arrays(batch.num_scheduled_tokens, starts, [s.block_table for s in seqs])
         sampling_rows = [i for i in range(len(seqs)) if batch.samples(i)]
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, positions, meta)
+        ids_np = np.asarray(input_ids, dtype=np.int64)
+        if self.graphs is not None and len(ids_np) == len(seqs) and self.graphs.can_run(len(seqs)):
+            hidden = self.graphs.run(
+                ids_np, host["positions"], host["slots"], host["tables"], host["context_lens"]
+            )
+        else:
+            positions, meta = self._device_metadata(host)
+            ids = torch.from_numpy(ids_np).to(self.device, non_blocking=True)
+            hidden = self.model(ids, positions, meta)
         if not sampling_rows:
             return []
         last = np.cumsum(batch.num_scheduled_tokens) - 1

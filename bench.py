@@ -1,0 +1,227 @@
+"""Throughput on nano-vllm's workload (256 random requests), against the HBM roofline.
+
+python bench.py [--model PATH] [--compare hf] [--json PATH]      throughput
+python bench.py --kernels [--json PATH]                           kernel microbenchmarks
+python bench.py --memory                                          KV memory / sharing figures
+Without --model, a random Qwen3-0.6B-shaped bf16 model is built offline and cached. On a
+machine without CUDA the workload shrinks (stated in the output) so it finishes in minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+QWEN3_0_6B = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+TINY = dict(QWEN3_0_6B, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=32000)  # fmt: skip
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("NANOPAGED_CACHE", "~/.cache/nanopaged")).expanduser() / "bench"
+
+
+def random_model(shape: dict, name: str, device: str) -> Path:
+    """A random-weight Qwen3 of the given shape, saved once as bf16 safetensors."""
+    path = cache_dir() / name
+    if (path / "config.json").is_file() and list(path.glob("*.safetensors")):
+        return path
+    import transformers
+
+    config = transformers.Qwen3Config(**shape)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    tmp.rename(path)
+    return path
+
+
+def workload(num_seqs: int, max_input_len: int, max_output_len: int):
+    """nano-vllm's bench.py requests: random token prompts, random output lengths."""
+    random.seed(0)
+    prompts = [
+        [random.randint(0, 10000) for _ in range(random.randint(100, max_input_len))]
+        for _ in range(num_seqs)
+    ]
+    max_tokens = [random.randint(100, max_output_len) for _ in range(num_seqs)]
+    return prompts, max_tokens
+
+
+def copy_bandwidth_tbps() -> float:
+    """Device-to-device copy rate in TB/s, bytes read plus written (median of 20)."""
+    x = torch.randn(256 * 2**20, device="cuda")  # 1 GiB
+    y = torch.empty_like(x)
+    times = []
+    for _ in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        y.copy_(x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    ms = sorted(times[5:])[len(times[5:]) // 2]
+    return 2 * x.numel() * x.element_size() / ms / 1e9
+
+
+def decode_roofline_bytes(llm, prompts, max_tokens) -> float:
+    """Fewest HBM bytes the decode steps must read: each running sequence's KV every step,
+    plus the weights once per step (steps = the longest request's outputs, all in flight)."""
+    c = llm.model_config
+    elem = torch.empty((), dtype=llm.dtype).element_size()
+    kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * elem
+    kv_tokens = sum(m * len(p) + m * (m - 1) // 2 for p, m in zip(prompts, max_tokens))
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.runner.model.parameters())
+    return kv_tokens * kv_per_token + max(max_tokens) * weight_bytes
+
+
+def run_hf(model_dir: Path, prompts, max_tokens, num: int) -> dict:
+    """HF transformers continuous batching on the first `num` requests of the workload."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16, attn_implementation="paged|sdpa"
+    ).to("cuda")
+    sub_prompts, sub_max = prompts[:num], max_tokens[:num]
+    gen = transformers.GenerationConfig(
+        max_new_tokens=max(sub_max), do_sample=True, temperature=0.6, eos_token_id=None,
+        pad_token_id=0,
+    )
+    model.generate_batch(inputs=[p[:16] for p in sub_prompts[:4]], generation_config=
+                         transformers.GenerationConfig(max_new_tokens=4, do_sample=False,
+                                                       eos_token_id=None, pad_token_id=0))
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = model.generate_batch(inputs=sub_prompts, generation_config=gen)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    tokens = sum(len(o.generated_tokens) for o in outs.values())
+    del model
+    torch.cuda.empty_cache()
+    return {"hf_requests": num, "hf_output_tokens": tokens, "hf_seconds": dt,
+            "hf_tok_per_s": tokens / dt}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF model dir or .gguf (default: random Qwen3-0.6B)")
+    parser.add_argument("--num-seqs", type=int, default=None)
+    parser.add_argument("--max-input-len", type=int, default=None)
+    parser.add_argument("--max-output-len", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--compare", choices=["hf"], default=None)
+    parser.add_argument("--hf-requests", type=int, default=64, help="workload subset HF runs")
+    parser.add_argument("--json", default=None, help="write every figure here")
+    parser.add_argument("--kernels", action="store_true", help="kernel microbenchmarks")
+    parser.add_argument("--memory", action="store_true", help="KV memory and sharing figures")
+    args, rest = parser.parse_known_args(argv)
+
+    root = Path(__file__).resolve().parent
+    sys.path.insert(0, str(root / "benchmarks"))
+    if args.kernels:
+        import kernel_bench
+
+        return kernel_bench.main(rest + (["--json", args.json] if args.json else []))
+    if args.memory:
+        import memory_bench
+
+        return memory_bench.main(rest + (["--json", args.json] if args.json else []))
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+
+    from nanopaged import LLM, SamplingParams
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    num_seqs = args.num_seqs or (256 if cuda else 16)
+    max_in = args.max_input_len or (1024 if cuda else 128)
+    max_out = args.max_output_len or (1024 if cuda else 128)
+    if cuda:
+        model_dir = Path(args.model) if args.model else random_model(QWEN3_0_6B, "qwen3-0.6b", device)
+    else:
+        model_dir = Path(args.model) if args.model else random_model(TINY, "qwen3-tiny", device)
+        print(f"no CUDA: small CPU workload ({num_seqs} requests, inputs <= {max_in}, outputs "
+              f"<= {max_out}) on {'the given model' if args.model else 'a tiny random Qwen3'}")
+    prompts, max_tokens = workload(num_seqs, max_in, max_out)
+
+    t = time.perf_counter()
+    llm = LLM(str(model_dir), max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
+    load_s = time.perf_counter() - t
+    llm.generate([[1, 2, 3, 4]] * 2, SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
+    if cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    result = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "model": str(args.model or "random Qwen3-0.6B shape, bf16" if cuda else "tiny random"),
+        "requests": num_seqs,
+        "prompt_tokens": sum(map(len, prompts)),
+        "output_tokens": output_tokens,
+        "seconds": seconds,
+        "tok_per_s": output_tokens / seconds,
+        "load_seconds": load_s,
+        "kv_blocks": llm.runner.num_blocks,
+        "preemptions": llm.scheduler.num_preemptions,
+        "enforce_eager": args.enforce_eager,
+    }
+    if cuda:
+        bw = copy_bandwidth_tbps()
+        roof_bytes = decode_roofline_bytes(llm, prompts, max_tokens)
+        roof_s = roof_bytes / (bw * 1e12)
+        result.update(
+            copy_tb_per_s=bw,
+            roofline_decode_bytes=roof_bytes,
+            roofline_seconds=roof_s,
+            roofline_tok_per_s=output_tokens / roof_s,
+            fraction_of_roofline=roof_s / seconds,
+        )
+    print(f"{result['device']}: {output_tokens} output tokens in {seconds:.2f} s = "
+          f"{result['tok_per_s']:.0f} tok/s ({num_seqs} requests, {result['prompt_tokens']} "
+          f"prompt tokens, {result['preemptions']} preemptions)")
+    if cuda:
+        print(f"copy bandwidth {result['copy_tb_per_s']:.2f} TB/s; decode roofline "
+              f"{result['roofline_decode_bytes'] / 1e12:.1f} TB = {result['roofline_seconds']:.2f}"
+              f" s = {result['roofline_tok_per_s']:.0f} tok/s; achieved "
+              f"{100 * result['fraction_of_roofline']:.1f}% of it")
+    if args.compare == "hf" and cuda:
+        del llm
+        torch.cuda.empty_cache()
+        result.update(run_hf(model_dir, prompts, max_tokens, args.hf_requests))
+        result["ratio_to_hf"] = result["tok_per_s"] / result["hf_tok_per_s"]
+        print(f"HF transformers continuous batching (paged|sdpa), first {args.hf_requests} "
+              f"requests: {result['hf_output_tokens']} tokens in {result['hf_seconds']:.1f} s = "
+              f"{result['hf_tok_per_s']:.0f} tok/s; nanopaged / HF = {result['ratio_to_hf']:.1f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

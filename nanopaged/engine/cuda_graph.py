@@ -1,0 +1,100 @@
+"""Decode steps replayed from CUDA graphs captured per batch-size bucket."""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import torch
+from torch import nn
+
+from nanopaged.layers.attention import AttentionMetadata
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Buckets 1, 2, 4, 8, then every 16 up to max_num_seqs (which is always a bucket)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    sizes += list(range(16, max_num_seqs, 16))
+    return sizes + [max_num_seqs]
+
+
+class DecodeGraphs:
+    """Static input buffers plus one captured forward per bucket; a step pads up to a bucket.
+
+    The block-table buffer is as wide as max_model_len needs, so no step can overflow it, and
+    padded rows get slot -1 and context 0: they store nothing and read nothing.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.max_model_len = max_model_len
+        self.batch_sizes = graph_batch_sizes(max_num_seqs)
+        max_bs = self.batch_sizes[-1]
+        max_blocks = -(-max_model_len // block_size)
+        self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_bs, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=device)
+        self.context_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self.hidden = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs],
+            block_tables=self.block_tables[:bs],
+            context_lens=self.context_lens[:bs],
+            cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
+            max_seqlen_q=1,
+            max_context_len=self.max_model_len,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = None
+        for bs in reversed(self.batch_sizes):
+            args = (self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+            self.hidden[:bs] = self.model(*args)  # compiles kernels outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.hidden[:bs] = self.model(*args)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def can_run(self, batch_size: int) -> bool:
+        return bool(self.graphs) and batch_size <= self.batch_sizes[-1]
+
+    def run(
+        self,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        tables: np.ndarray,
+        context_lens: np.ndarray,
+    ) -> torch.Tensor:
+        """One decode step for len(input_ids) sequences; returns hidden [batch, hidden_size]."""
+        bs = len(input_ids)
+        bucket = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+        width = tables.shape[1]
+        self.input_ids[:bs].copy_(torch.from_numpy(input_ids), non_blocking=True)
+        self.positions[:bs].copy_(torch.from_numpy(positions), non_blocking=True)
+        self.slot_mapping[:bs].copy_(torch.from_numpy(slots), non_blocking=True)
+        self.context_lens[:bs].copy_(torch.from_numpy(context_lens), non_blocking=True)
+        self.block_tables[:bs, :width].copy_(torch.from_numpy(tables), non_blocking=True)
+        if bucket > bs:
+            self.slot_mapping[bs:bucket].fill_(-1)
+            self.context_lens[bs:bucket].fill_(0)
+        self.graphs[bucket].replay()
+        return self.hidden[:bs]
