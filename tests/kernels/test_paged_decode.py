@@ -58,7 +58,7 @@ def test_decode(block_size, group, head_dim, dtype, num_kv_heads):
 
 
 @pytest.mark.parametrize("block_size,group,head_dim,dtype,num_kv_heads", CPU_CASES)
-@pytest.mark.parametrize("num_splits,prefetch", [(1, True), (3, True), (1, False), (3, False)])
+@pytest.mark.parametrize("num_splits,prefetch", [(1, True), (3, True), (3, False)])
 def test_decode_small_tiles(block_size, group, head_dim, dtype, num_kv_heads, num_splits,
                             prefetch):
     # 16-token tiles: many loop iterations, tiles smaller than a block, splits inside blocks.
