@@ -1,0 +1,81 @@
+"""Where one decode step's time goes: host work, graph replay, sampler, and top GPU kernels.
+
+python benchmarks/step_profile.py [--model PATH] [--batch 256] [--context 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    import bench
+    from nanopaged import LLM, SamplingParams
+    from nanopaged.engine.sequence import Sequence
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--eager", action="store_true")
+    args = parser.parse_args(argv)
+    model_dir = args.model or bench.random_model(bench.QWEN3_0_6B, "qwen3-0.6b", "cuda")
+    llm = LLM(str(model_dir), max_model_len=4096, enforce_eager=args.eager)
+    random.seed(0)
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=4000)
+    s, runner = llm.scheduler, llm.runner
+    for _ in range(args.batch):
+        s.add(Sequence([random.randint(0, 10000) for _ in range(args.context)], params))
+    while s.waiting or any(q.num_computed_tokens < len(q) - 1 for q in s.running):
+        b = s.schedule()
+        s.postprocess(b, runner.run(b, llm.eos_token_ids))
+
+    def timed(n: int) -> dict[str, float]:
+        t = {"schedule": 0.0, "run": 0.0, "postprocess": 0.0}
+        for _ in range(n):
+            t0 = time.perf_counter()
+            b = s.schedule()
+            t1 = time.perf_counter()
+            tokens = runner.run(b, llm.eos_token_ids)
+            t2 = time.perf_counter()
+            s.postprocess(b, tokens)
+            t3 = time.perf_counter()
+            t["schedule"] += t1 - t0
+            t["run"] += t2 - t1
+            t["postprocess"] += t3 - t2
+        return {k: 1000 * v / n for k, v in t.items()}
+
+    timed(5)
+    step = timed(args.steps)
+    print(f"batch {len(s.running)} context ~{args.context}: per step (ms) "
+          + ", ".join(f"{k} {v:.2f}" for k, v in step.items()))
+    graphs = runner.graphs
+    if graphs is not None:
+        bs = len(s.running)
+        bucket = min(b for b in graphs.batch_sizes if b >= bs)
+        g = graphs.graphs[bucket]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            g.replay()
+        end.record()
+        end.synchronize()
+        print(f"graph replay alone (bucket {bucket}): {start.elapsed_time(end) / 20:.2f} ms")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        timed(5)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
