@@ -152,3 +152,20 @@ class BlockManager:
             self.block_keys[block_id] = (parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
             self.hash_to_block[h] = block_id
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
+
+    def free_all(self) -> None:
+        """Drop every reference at once, e.g. after an aborted step; cached blocks stay hittable.
+
+        Repairs whatever an interrupted allocate/free left half done, so it is safe to call
+        when no sequence may hold blocks any more, whatever state the lists were left in.
+        """
+        for h, block_id in list(self.hash_to_block.items()):
+            if self.block_hashes[block_id] != h:
+                del self.hash_to_block[h]
+        for block_id in range(self.num_blocks):
+            h = self.block_hashes[block_id]
+            if h is not None and self.hash_to_block.get(h) != block_id:
+                self.block_hashes[block_id] = self.block_keys[block_id] = None
+            self.ref_counts[block_id] = 0
+            if block_id not in self.free_blocks:
+                self.free_blocks[block_id] = None
