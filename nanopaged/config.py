@@ -48,7 +48,12 @@ class ModelConfig:
         path = model_dir / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model directory {model_dir}")
-        cfg = json.loads(path.read_text())
+        try:
+            cfg = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{path} must hold a JSON object, got {type(cfg).__name__}")
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -56,6 +61,11 @@ class ModelConfig:
                 f"unsupported architecture {archs or cfg.get('model_type')!r} in {path}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads")  # fmt: skip
+        missing = [k for k in required if not isinstance(cfg.get(k), int)]
+        if missing:
+            raise ValueError(f"{path} lacks integer {', '.join(missing)}")
         num_heads = cfg["num_attention_heads"]
         rope = dict(cfg.get("rope_parameters") or {})
         legacy_scaling = cfg.get("rope_scaling") or {}
@@ -148,5 +158,10 @@ class EngineConfig:
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        if not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        for name in ("enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)

@@ -26,6 +26,10 @@ PromptType = str | list[int]
 def _resolve_model_dir(model: str | os.PathLike | None) -> Path:
     from nanopaged.gguf import resolve_model
 
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise TypeError(
+            f"model must be a path (str or os.PathLike) or None, got {type(model).__name__}"
+        )
     return resolve_model(model)
 
 
@@ -40,6 +44,11 @@ def _resolve_device(device: str | torch.device) -> torch.device:
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but no CUDA device is available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(
+            f"device {device!r} does not exist: this machine has "
+            f"{torch.cuda.device_count()} CUDA device(s)"
+        )
     return dev
 
 
@@ -71,10 +80,10 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size,
-            enable_prefix_caching=bool(enable_prefix_caching),
+            enable_prefix_caching=enable_prefix_caching,
             kv_cache_memory=kv_cache_memory,
             gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=bool(enforce_eager),
+            enforce_eager=enforce_eager,
             seed=seed,
             max_model_len=max_model_len,
         )
@@ -96,6 +105,11 @@ class LLM:
         else:
             cfg_dtype = self.model_config.dtype
             self.dtype = torch.bfloat16 if cfg_dtype == torch.float32 else cfg_dtype
+        if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+            raise TypeError(
+                f"tokenizer must be a path (str or os.PathLike) or None, "
+                f"got {type(tokenizer).__name__}"
+            )
         self.tokenizer = self._load_tokenizer(Path(tokenizer) if tokenizer else self.model_dir)
         self.runner = ModelRunner(
             self.model_dir,
@@ -123,11 +137,22 @@ class LLM:
 
     @staticmethod
     def _load_tokenizer(path: Path):
+        if not path.exists():
+            raise FileNotFoundError(f"tokenizer path {str(path)!r} does not exist")
         if path.is_dir() and not any((path / f).exists() for f in _TOKENIZER_FILES):
             return None
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        try:
+            # Local files only, and never code shipped beside the model (auto_map).
+            return AutoTokenizer.from_pretrained(
+                str(path), trust_remote_code=False, local_files_only=True
+            )
+        except (OSError, ValueError) as e:
+            raise ValueError(
+                f"cannot load the tokenizer in {path} (nanopaged never runs code from a model "
+                f"directory): {e}"
+            ) from e
 
     # ---- input validation ----------------------------------------------------------------
     def _normalize_prompts(self, prompts) -> list[PromptType]:
@@ -183,8 +208,9 @@ class LLM:
 
     def _normalize_params(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * num_prompts
+            sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
+            self._check_params(sampling_params, "sampling_params")
             return [sampling_params] * num_prompts
         if isinstance(sampling_params, SequenceABC):
             params = list(sampling_params)
@@ -198,11 +224,30 @@ class LLM:
                     raise TypeError(
                         f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}"
                     )
+                self._check_params(p, f"sampling_params[{i}]")
             return params
         raise TypeError(
             "sampling_params must be a SamplingParams or a list of them, "
             f"got {type(sampling_params).__name__}"
         )
+
+    def _check_params(self, p: SamplingParams, name: str) -> None:
+        """Check p again, now against this model: its fields may have changed since it was made."""
+        try:
+            p.__post_init__()
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{name}: {e}") from None
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in p.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(
+                f"{name}.stop_token_ids holds {bad}, outside the vocabulary [0, {vocab})"
+            )
+        if p.stop and self.tokenizer is None:
+            raise ValueError(
+                f"{name}.stop needs a tokenizer to find stop strings, but {self.model_dir} has "
+                "none; pass tokenizer=PATH or use stop_token_ids"
+            )
 
     # ---- generation ----------------------------------------------------------------------
     def generate(
@@ -275,12 +320,12 @@ class LLM:
         ]
 
     def _run(self, seqs: list[Sequence], use_tqdm: bool) -> None:
-        for seq in seqs:
-            self.scheduler.add(seq)
         bar = tqdm(total=len(seqs), desc="Processed prompts", disable=not use_tqdm, leave=True)
         prefill_tokens = decode_tokens = 0
         t0 = time.perf_counter()
         try:
+            for seq in seqs:
+                self.scheduler.add(seq)
             while self.scheduler.has_unfinished():
                 batch = self.scheduler.schedule()
                 if not batch.seqs:
@@ -304,6 +349,9 @@ class LLM:
         except BaseException:
             # Interrupted or failed mid-step: give every block back so the LLM stays usable.
             self.scheduler.abort_all()
+            # No request outlives this call, so no block may stay held, even one that a step
+            # cut short left outside the scheduler's lists.
+            self.block_manager.free_all()
             raise
         finally:
             bar.close()
