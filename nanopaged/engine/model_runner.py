@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from nanopaged.config import EngineConfig, ModelConfig
+from nanopaged.engine.block_tables import BlockTableBuilder
 from nanopaged.engine.cuda_graph import DecodeGraphs
 from nanopaged.engine.scheduler import ScheduledBatch
 from nanopaged.engine.sequence import Sequence
@@ -68,6 +69,8 @@ class ModelRunner:
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]
+        self._tables = BlockTableBuilder()
+        self._sampling_cache: tuple[tuple[int, ...], SamplingTensors] | None = None
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and not engine_config.enforce_eager:
             self.graphs = DecodeGraphs(
@@ -141,15 +144,14 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------
     def _host_arrays(
-        self, num_scheduled: list[int], starts: list[int], block_tables: list[list[int]]
+        self, num_scheduled: list[int], starts: list[int], tables: np.ndarray
     ) -> dict[str, np.ndarray]:
-        """The step's positions, slots, tables and lengths, built in bulk on the host."""
+        """The step's positions, slots and lengths, built in bulk on the host.
+
+        tables: [batch, max_blocks] int32 block tables.
+        """
         bs = self.block_size
         batch = len(num_scheduled)
-        max_blocks = max(len(t) for t in block_tables)
-        tables = np.zeros((batch, max_blocks), dtype=np.int32)
-        for i, t in enumerate(block_tables):
-            tables[i, : len(t)] = t
         q_lens = np.asarray(num_scheduled, dtype=np.int64)
         starts_np = np.asarray(starts, dtype=np.int64)
         cu = np.zeros(batch + 1, dtype=np.int32)
@@ -172,8 +174,10 @@ class ModelRunner:
         self, num_scheduled: list[int], starts: list[int], block_tables: list[list[int]]
     ) -> tuple[torch.Tensor, AttentionMetadata]:
         """Positions of the scheduled tokens and the metadata to find them in the cache."""
-        host = self._host_arrays(num_scheduled, starts, block_tables)
-        return self._device_metadata(host)
+        tables = np.zeros((len(block_tables), max(map(len, block_tables))), dtype=np.int32)
+        for i, t in enumerate(block_tables):
+            tables[i, : len(t)] = t
+        return self._device_metadata(self._host_arrays(num_scheduled, starts, tables))
 
     def _device_metadata(self, host: dict[str, np.ndarray]) -> tuple[torch.Tensor, AttentionMetadata]:
         dev = self.device
@@ -192,20 +196,34 @@ class ModelRunner:
         )
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        """Per-row settings; reused while consecutive steps sample the same sequences."""
+        key = tuple(s.seq_id for s in seqs)
+        if self._sampling_cache is not None and self._sampling_cache[0] == key:
+            return self._sampling_cache[1]
         params = [s.sampling_params for s in seqs]
         vocab = self.model_config.vocab_size
-        top_ks = [p.top_k if p.top_k > 0 else vocab for p in params]
-        dev = self.device
-        return SamplingTensors(
-            temperatures=torch.tensor([p.temperature for p in params], device=dev),
-            top_ps=torch.tensor([p.top_p for p in params], device=dev),
-            top_ks=torch.tensor(top_ks, device=dev),
-            min_ps=torch.tensor([p.min_p for p in params], device=dev),
+        # values: [4, batch] = temperature, top_p, top_k, min_p; one host-to-device copy
+        values = torch.tensor(
+            [
+                [p.temperature for p in params],
+                [p.top_p for p in params],
+                [p.top_k if p.top_k > 0 else vocab for p in params],
+                [p.min_p for p in params],
+            ],
+            dtype=torch.float32,
+        ).to(self.device, non_blocking=True)
+        st = SamplingTensors(
+            temperatures=values[0],
+            top_ps=values[1],
+            top_ks=values[2].long(),
+            min_ps=values[3],
             generators=[getattr(s, "generator", None) for s in seqs],
             all_greedy=all(p.greedy for p in params),
             any_top_p_k=any(p.top_p < 1 or 0 < p.top_k < vocab for p in params),
             any_min_p=any(p.min_p > 0 for p in params),
         )
+        self._sampling_cache = (key, st)
+        return st
 
     def _mask_early_stops(self, logits: torch.Tensor, seqs: list[Sequence], eos: set[int]):
         """Forbid EOS and stop tokens to sequences that have not reached min_tokens."""
@@ -224,7 +242,7 @@ class ModelRunner:
         input_ids: list[int] = []
         for seq, start, n in zip(seqs, starts, batch.num_scheduled_tokens):
             input_ids.extend(seq.token_ids[start : start + n])
-        host = self._host_arrays(batch.num_scheduled_tokens, starts, [s.block_table for s in seqs])
+        host = self._host_arrays(batch.num_scheduled_tokens, starts, self._tables.build(seqs))
         sampling_rows = [i for i in range(len(seqs)) if batch.samples(i)]
         ids_np = np.asarray(input_ids, dtype=np.int64)
         if self.graphs is not None and len(ids_np) == len(seqs) and self.graphs.can_run(len(seqs)):
