@@ -202,7 +202,10 @@ def _convert_into(path: Path, out: Path) -> None:
 
     logger.info("converting GGUF %s into %s", path, out)
     CONVERSIONS += 1
-    reader = gguf.GGUFReader(path)  # memory-mapped, read-only
+    try:
+        reader = gguf.GGUFReader(path)  # memory-mapped, read-only
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError) as e:
+        raise ValueError(f"cannot read GGUF file {path}: truncated or corrupted ({e})") from e
     meta = _read_metadata(reader)
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -219,7 +222,12 @@ def _convert_into(path: Path, out: Path) -> None:
     for name, tensor in tensors.items():
         # GGUF lists dims inner-first; numpy wants them outer-first: [out_features, in_features]
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        try:
+            w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        except ValueError as e:
+            raise ValueError(
+                f"cannot read tensor {name!r} of GGUF file {path}: truncated or corrupted ({e})"
+            ) from e
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
             w = _unpermute_rows(w, config["num_attention_heads"])
         elif arch == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):

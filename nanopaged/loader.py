@@ -52,10 +52,13 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                         raise ValueError(f"unexpected weight {name!r} in {path}")
                     tensor = f.get_tensor(name)
                     loader = getattr(param, "weight_loader", default_weight_loader)
-                    if shard_id is None:
-                        loader(param, tensor)
-                    else:
-                        loader(param, tensor, shard_id)
+                    try:
+                        if shard_id is None:
+                            loader(param, tensor)
+                        else:
+                            loader(param, tensor, shard_id)
+                    except (ValueError, RuntimeError) as e:
+                        raise ValueError(f"cannot load weight {name!r} of {path}: {e}") from e
                     loaded.add(name if shard_id is None else f"{target}#{shard_id}")
         except SafetensorError as e:
             raise ValueError(f"cannot read weight file {path}: {e}") from e
