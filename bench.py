@@ -104,12 +104,18 @@ def run_hf(model_dir: Path, prompts, max_tokens, num: int) -> dict:
     ).to("cuda")
     sub_prompts, sub_max = prompts[:num], max_tokens[:num]
     gen = transformers.GenerationConfig(
-        max_new_tokens=max(sub_max), do_sample=True, temperature=0.6, eos_token_id=None,
+        max_new_tokens=max(sub_max),
+        do_sample=True,
+        temperature=0.6,
+        eos_token_id=None,
         pad_token_id=0,
     )
-    model.generate_batch(inputs=[p[:16] for p in sub_prompts[:4]], generation_config=
-                         transformers.GenerationConfig(max_new_tokens=4, do_sample=False,
-                                                       eos_token_id=None, pad_token_id=0))
+    model.generate_batch(
+        inputs=[p[:16] for p in sub_prompts[:4]],
+        generation_config=transformers.GenerationConfig(
+            max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0
+        ),
+    )
     torch.cuda.synchronize()
     t = time.perf_counter()
     outs = model.generate_batch(inputs=sub_prompts, generation_config=gen)
@@ -123,8 +129,12 @@ def run_hf(model_dir: Path, prompts, max_tokens, num: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--model", default=None, help="HF model dir or .gguf (default: random Qwen3-0.6B)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default=None, help="HF model dir or .gguf (default: random Qwen3-0.6B)"
+    )
     parser.add_argument("--num-seqs", type=int, default=None)
     parser.add_argument("--max-input-len", type=int, default=None)
     parser.add_argument("--max-output-len", type=int, default=None)
@@ -158,11 +168,15 @@ def main(argv: list[str] | None = None) -> dict:
     max_in = args.max_input_len or (1024 if cuda else 128)
     max_out = args.max_output_len or (1024 if cuda else 128)
     if cuda:
-        model_dir = Path(args.model) if args.model else random_model(QWEN3_0_6B, "qwen3-0.6b", device)
+        model_dir = (
+            Path(args.model) if args.model else random_model(QWEN3_0_6B, "qwen3-0.6b", device)
+        )
     else:
         model_dir = Path(args.model) if args.model else random_model(TINY, "qwen3-tiny", device)
-        print(f"no CUDA: small CPU workload ({num_seqs} requests, inputs <= {max_in}, outputs "
-              f"<= {max_out}) on {'the given model' if args.model else 'a tiny random Qwen3'}")
+        print(
+            f"no CUDA: small CPU workload ({num_seqs} requests, inputs <= {max_in}, outputs "
+            f"<= {max_out}) on {'the given model' if args.model else 'a tiny random Qwen3'}"
+        )
     prompts, max_tokens = workload(num_seqs, max_in, max_out)
 
     t = time.perf_counter()
@@ -202,22 +216,28 @@ def main(argv: list[str] | None = None) -> dict:
             roofline_tok_per_s=output_tokens / roof_s,
             fraction_of_roofline=roof_s / seconds,
         )
-    print(f"{result['device']}: {output_tokens} output tokens in {seconds:.2f} s = "
-          f"{result['tok_per_s']:.0f} tok/s ({num_seqs} requests, {result['prompt_tokens']} "
-          f"prompt tokens, {result['preemptions']} preemptions)")
+    print(
+        f"{result['device']}: {output_tokens} output tokens in {seconds:.2f} s = "
+        f"{result['tok_per_s']:.0f} tok/s ({num_seqs} requests, {result['prompt_tokens']} "
+        f"prompt tokens, {result['preemptions']} preemptions)"
+    )
     if cuda:
-        print(f"copy bandwidth {result['copy_tb_per_s']:.2f} TB/s; decode roofline "
-              f"{result['roofline_decode_bytes'] / 1e12:.1f} TB = {result['roofline_seconds']:.2f}"
-              f" s = {result['roofline_tok_per_s']:.0f} tok/s; achieved "
-              f"{100 * result['fraction_of_roofline']:.1f}% of it")
+        print(
+            f"copy bandwidth {result['copy_tb_per_s']:.2f} TB/s; decode roofline "
+            f"{result['roofline_decode_bytes'] / 1e12:.1f} TB = {result['roofline_seconds']:.2f}"
+            f" s = {result['roofline_tok_per_s']:.0f} tok/s; achieved "
+            f"{100 * result['fraction_of_roofline']:.1f}% of it"
+        )
     if args.compare == "hf" and cuda:
         del llm
         torch.cuda.empty_cache()
         result.update(run_hf(model_dir, prompts, max_tokens, args.hf_requests))
         result["ratio_to_hf"] = result["tok_per_s"] / result["hf_tok_per_s"]
-        print(f"HF transformers continuous batching (paged|sdpa), first {args.hf_requests} "
-              f"requests: {result['hf_output_tokens']} tokens in {result['hf_seconds']:.1f} s = "
-              f"{result['hf_tok_per_s']:.0f} tok/s; nanopaged / HF = {result['ratio_to_hf']:.1f}x")
+        print(
+            f"HF transformers continuous batching (paged|sdpa), first {args.hf_requests} "
+            f"requests: {result['hf_output_tokens']} tokens in {result['hf_seconds']:.1f} s = "
+            f"{result['hf_tok_per_s']:.0f} tok/s; nanopaged / HF = {result['ratio_to_hf']:.1f}x"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

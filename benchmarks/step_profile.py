@@ -56,8 +56,10 @@ def main(argv: list[str] | None = None) -> None:
 
     timed(5)
     step = timed(args.steps)
-    print(f"batch {len(s.running)} context ~{args.context}: per step (ms) "
-          + ", ".join(f"{k} {v:.2f}" for k, v in step.items()))
+    print(
+        f"batch {len(s.running)} context ~{args.context}: per step (ms) "
+        + ", ".join(f"{k} {v:.2f}" for k, v in step.items())
+    )
     graphs = runner.graphs
     if graphs is not None:
         bs = len(s.running)
@@ -74,7 +76,9 @@ def main(argv: list[str] | None = None) -> None:
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         timed(5)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+    )
 
 
 if __name__ == "__main__":

@@ -1,1 +1,1 @@
-"""Paged-attention kernels: each file holds a Triton body, a typed launcher and a torch reference."""
+"""Paged-attention kernels: each file holds a Triton body, its launcher and a torch reference."""

@@ -7,7 +7,9 @@ from torch import nn
 from nanopaged.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from nanopaged.models.llama import DecoderForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {arch: DecoderForCausalLM for arch in SUPPORTED_ARCHITECTURES}
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    arch: DecoderForCausalLM for arch in SUPPORTED_ARCHITECTURES
+}
 
 
 def build_model(config: ModelConfig) -> nn.Module:

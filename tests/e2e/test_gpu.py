@@ -6,10 +6,10 @@ import random
 
 import pytest
 import torch
+from tiny_models import hf_greedy, make_tiny_model
 
 from nanopaged import LLM, SamplingParams
 from nanopaged.engine.sequence import Sequence
-from tiny_models import hf_greedy, make_tiny_model
 
 pytestmark = pytest.mark.gpu
 

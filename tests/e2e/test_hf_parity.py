@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from tiny_models import FAMILIES, hf_greedy, make_tiny_model
 
 from nanopaged import LLM, SamplingParams
-from tiny_models import FAMILIES, hf_greedy, make_tiny_model
 
 MAX_TOKENS = 32
 PROMPT_LENS = (1, 3, 9, 17, 40, 100, 128)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from tiny_models import add_byte_tokenizer, make_tiny_model
 
 from nanopaged import LLM, SamplingParams
-from tiny_models import add_byte_tokenizer, make_tiny_model
 
 
 @pytest.fixture(scope="module")
