@@ -32,8 +32,8 @@ QWEN3_0_6B = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=True,
 )
-TINY = dict(QWEN3_0_6B, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=32000)  # fmt: skip
+TINY = dict(QWEN3_0_6B, hidden_size=256, intermediate_size=768, num_hidden_layers=4)
+TINY.update(num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=32000)
 
 
 def cache_dir() -> Path:

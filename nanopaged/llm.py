@@ -343,7 +343,8 @@ class LLM:
                 if use_tqdm:
                     dt = max(time.perf_counter() - t0, 1e-9)
                     bar.set_postfix_str(
-                        f"prefill {prefill_tokens / dt:.0f} tok/s, decode {decode_tokens / dt:.0f} tok/s",
+                        f"prefill {prefill_tokens / dt:.0f} tok/s, "
+                        f"decode {decode_tokens / dt:.0f} tok/s",
                         refresh=False,
                     )
         except BaseException:
@@ -386,7 +387,9 @@ class LLM:
         text = getattr(seq, "text", None)
         if text is None:
             text = (
-                self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+                self.tokenizer.decode(
+                    seq.output_token_ids, skip_special_tokens=p.skip_special_tokens
+                )
                 if self.tokenizer is not None
                 else ""
             )

@@ -179,7 +179,9 @@ class ModelRunner:
             tables[i, : len(t)] = t
         return self._device_metadata(self._host_arrays(num_scheduled, starts, tables))
 
-    def _device_metadata(self, host: dict[str, np.ndarray]) -> tuple[torch.Tensor, AttentionMetadata]:
+    def _device_metadata(
+        self, host: dict[str, np.ndarray]
+    ) -> tuple[torch.Tensor, AttentionMetadata]:
         dev = self.device
 
         def put(a: np.ndarray) -> torch.Tensor:

@@ -107,7 +107,9 @@ class DecoderModel(nn.Module):
             config.rope_scaling,
         )
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(config, rotary) for _ in range(config.num_layers)])
+        self.layers = nn.ModuleList(
+            [DecoderLayer(config, rotary) for _ in range(config.num_layers)]
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
