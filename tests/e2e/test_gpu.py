@@ -82,3 +82,17 @@ def test_bf16_teacher_forced_argmax_agrees_with_hf(qwen3):
         max_diff = max(max_diff, (logits - ref).abs().max().item())
     print(f"bf16 teacher-forced argmax agreement {agree / total:.4f}, max |dlogit| {max_diff:.4f}")
     assert agree / total >= 0.95
+
+
+def test_kv_budget_from_memory_utilization(qwen3):
+    """The cache takes what the utilization cap leaves; too little for one sequence refuses."""
+    llm = LLM(str(qwen3), device="cuda", gpu_memory_utilization=0.5, max_num_seqs=4)
+    # capped by what max_num_seqs sequences of max_model_len can use
+    per_seq = -(-llm.max_model_len // llm.config.block_size)
+    assert llm.runner.num_blocks == 4 * per_seq
+    del llm
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    used_fraction = (total - free) / total
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        LLM(str(qwen3), device="cuda", gpu_memory_utilization=max(used_fraction, 1e-4))
