@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+PREEMPTION_MODES = ("recompute", "swap")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _DTYPES = {
     "float32": torch.float32,
@@ -139,6 +140,10 @@ class EngineConfig:
     enforce_eager: bool = False
     seed: int = 0
     max_model_len: int | None = None
+    # How a running group gives its blocks back when the cache is full: "recompute" frees
+    # them (the group is recomputed later), "swap" moves them to a CPU pool of swap_space GiB.
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0
 
     def __post_init__(self) -> None:
         _positive_int("max_num_seqs", self.max_num_seqs)
@@ -165,3 +170,16 @@ class EngineConfig:
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {', '.join(map(repr, PREEMPTION_MODES))}, "
+                f"got {self.preemption_mode!r}"
+            )
+        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)):
+            raise TypeError(f"swap_space must be a number of GiB, got {self.swap_space!r}")
+        if not (0 <= self.swap_space < float("inf")):
+            raise ValueError(
+                f"swap_space must be a finite number of GiB >= 0, got {self.swap_space}"
+            )
+        if self.preemption_mode == "swap" and self.swap_space <= 0:
+            raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory)")

@@ -11,12 +11,14 @@ import torch
 from tqdm.auto import tqdm
 
 from nanopaged.config import EngineConfig, ModelConfig, parse_dtype
-from nanopaged.engine.block_manager import BlockManager
+from nanopaged.engine.block_manager import BlockManager, KVStats
+from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.model_runner import ModelRunner
+from nanopaged.engine.sampling import sample_generator
 from nanopaged.engine.scheduler import Scheduler
-from nanopaged.engine.sequence import Sequence
+from nanopaged.engine.sequence import Sequence, SequenceStatus
 from nanopaged.outputs import CompletionOutput, RequestOutput
-from nanopaged.sampling_params import SamplingParams
+from nanopaged.sampling_params import BeamSearchParams, SamplingParams
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -75,6 +77,8 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         seed: int = 0,
+        preemption_mode: str = "recompute",
+        swap_space: float = 4.0,
     ) -> None:
         self.config = EngineConfig(
             max_num_seqs=max_num_seqs,
@@ -86,6 +90,8 @@ class LLM:
             enforce_eager=enforce_eager,
             seed=seed,
             max_model_len=max_model_len,
+            preemption_mode=preemption_mode,
+            swap_space=swap_space,
         )
         requested_dtype = parse_dtype(dtype)
         self.device = _resolve_device(device)
@@ -119,8 +125,18 @@ class LLM:
             self.device,
             self.dtype,
         )
+        num_cpu_blocks = 0
+        if self.config.preemption_mode == "swap":
+            per_block = self.runner.kv_bytes_per_block
+            num_cpu_blocks = int(self.config.swap_space * 2**30) // per_block
+            if num_cpu_blocks == 0:
+                raise ValueError(
+                    f"swap_space={swap_space} GiB holds no KV block ({per_block} bytes each); "
+                    "raise swap_space"
+                )
+            self.runner.allocate_swap_space(num_cpu_blocks)
         self.block_manager = BlockManager(
-            self.runner.num_blocks, block_size, self.config.enable_prefix_caching
+            self.runner.num_blocks, block_size, self.config.enable_prefix_caching, num_cpu_blocks
         )
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -132,6 +148,7 @@ class LLM:
             max_num_batched_tokens,
             self.max_model_len,
             eos,
+            self.config.preemption_mode,
         )
         self._request_counter = 0
 
@@ -306,40 +323,127 @@ class LLM:
         params: list[SamplingParams],
         use_tqdm: bool,
     ) -> list[RequestOutput]:
-        seqs: list[Sequence] = []
+        for i, (prompt_ids, p) in enumerate(zip(token_lists, params)):
+            what = f"sampling_params n={p.n}"
+            self._check_group_fits(len(prompt_ids), p.n, p.max_tokens, what, i)
+        groups: list[SequenceGroup] = []
         for prompt_ids, p in zip(token_lists, params):
             seq = Sequence(prompt_ids, p, request_id=str(self._request_counter))
             self._request_counter += 1
             if p.seed is not None:
-                seq.generator = torch.Generator(device=self.device).manual_seed(p.seed)
-            seqs.append(seq)
-        self._run(seqs, use_tqdm)
+                seq.generator = sample_generator(p.seed, 0, self.device)
+            groups.append(SequenceGroup(seq.request_id, seq))
+        self._run(groups, use_tqdm)
         return [
-            self._request_output(seq, prompt)
-            for seq, prompt in zip(seqs, prompt_list)
+            self._request_output(group, prompt)
+            for group, prompt in zip(groups, prompt_list)
         ]
 
-    def _run(self, seqs: list[Sequence], use_tqdm: bool) -> None:
-        bar = tqdm(total=len(seqs), desc="Processed prompts", disable=not use_tqdm, leave=True)
+    def _check_group_fits(
+        self, prompt_len: int, width: int, max_tokens: int, what: str, index: int
+    ) -> None:
+        """A request of `width` sequences must fit the engine alone, or it could never run."""
+        limits = {
+            "max_num_seqs": self.config.max_num_seqs,
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,
+        }
+        for name, limit in limits.items():
+            if width > limit:
+                raise ValueError(f"prompts[{index}]: {what} exceeds {name}={limit}")
+        bm = self.block_manager
+        need = width * bm.num_blocks_for(min(prompt_len + max_tokens, self.max_model_len))
+        if need > bm.num_blocks:
+            raise ValueError(
+                f"prompts[{index}]: {what} may need {need} KV blocks, more than the cache's "
+                f"{bm.num_blocks}; raise kv_cache_memory or gpu_memory_utilization, or lower "
+                "max_tokens"
+            )
+
+    def beam_search(
+        self,
+        prompts: str | list[str] | list[int] | list[list[int]],
+        params: BeamSearchParams,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Beam search for every prompt; each output holds its best beam_width sequences,
+        best first (see BeamSearchParams). Beams share KV blocks: a candidate forks its parent's
+        blocks and a beam that falls out frees its own."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        params.__post_init__()
+        prompt_list = self._normalize_prompts(prompts)
+        token_lists = [self._tokenize(p, i) for i, p in enumerate(prompt_list)]
+        what = f"beam_width={params.beam_width}"
+        for i, ids in enumerate(token_lists):
+            self._check_group_fits(len(ids), params.beam_width, params.max_tokens, what, i)
+        # Bookkeeping only: beams take their candidates from the raw logprobs.
+        sp = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True)
+        groups = []
+        for ids in token_lists:
+            seq = Sequence(ids, sp, request_id=str(self._request_counter))
+            self._request_counter += 1
+            groups.append(SequenceGroup(seq.request_id, seq, beam_params=params))
+        self._run(groups, use_tqdm)
+        outputs = []
+        for group, prompt, ids in zip(groups, prompt_list, token_lists):
+            completions = [
+                CompletionOutput(
+                    index=i,
+                    text=self._decode(h.token_ids, skip_special_tokens=True),
+                    token_ids=h.token_ids,
+                    cumulative_logprob=h.cumulative_logprob,
+                    logprobs=h.logprobs,
+                    finish_reason=h.finish_reason,
+                )
+                for i, h in enumerate(group.completed_beams)
+            ]
+            outputs.append(
+                RequestOutput(
+                    request_id=group.request_id,
+                    prompt=prompt if isinstance(prompt, str) else None,
+                    prompt_token_ids=list(ids),
+                    outputs=completions,
+                    finished=group.is_finished,
+                )
+            )
+        return outputs
+
+    def kv_stats(self) -> KVStats:
+        """The KV pool now: blocks total/used/shared/cached-free, slot utilization of the used
+        blocks, and the peak used/shared blocks of the last generate or beam_search."""
+        running = [
+            s for g in self.scheduler.running for s in g.seqs_with_status(SequenceStatus.RUNNING)
+        ]
+        return self.block_manager.kv_stats(running)
+
+    def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def _run(self, groups: list[SequenceGroup], use_tqdm: bool) -> None:
+        bar = tqdm(total=len(groups), desc="Processed prompts", disable=not use_tqdm, leave=True)
         prefill_tokens = decode_tokens = 0
         t0 = time.perf_counter()
         try:
-            for seq in seqs:
-                self.scheduler.add(seq)
+            self.block_manager.reset_peaks()
+            for group in groups:
+                self.scheduler.add(group)
             while self.scheduler.has_unfinished():
                 batch = self.scheduler.schedule()
                 if not batch.seqs:
                     raise RuntimeError("the scheduler could not make progress")  # invariant
                 sampled = self.runner.run(batch, self.eos_token_ids)
-                grown = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
                 num_new = batch.total_tokens
                 num_decode = sum(1 for n in batch.num_scheduled_tokens if n == 1)
                 decode_tokens += num_decode
                 prefill_tokens += num_new - num_decode
-                finished = self.scheduler.postprocess(batch, sampled)
-                finished += self._check_stop_strings(grown)
-                if finished:
-                    bar.update(len(finished))
+                step = self.scheduler.postprocess(batch, sampled)
+                stopped = self._check_stop_strings(step.grown)
+                done = len(step.finished_groups)
+                done += sum(1 for s in stopped if s.group is None or s.group.is_finished)
+                if done:
+                    bar.update(done)
                 if use_tqdm:
                     dt = max(time.perf_counter() - t0, 1e-9)
                     bar.set_postfix_str(
@@ -382,31 +486,29 @@ class LLM:
                     finished.append(seq)
         return finished
 
-    def _request_output(self, seq: Sequence, prompt: PromptType) -> RequestOutput:
+    def _completion(self, seq: Sequence) -> CompletionOutput:
         p = seq.sampling_params
         text = getattr(seq, "text", None)
         if text is None:
-            text = (
-                self.tokenizer.decode(
-                    seq.output_token_ids, skip_special_tokens=p.skip_special_tokens
-                )
-                if self.tokenizer is not None
-                else ""
-            )
-        completion = CompletionOutput(
-            index=0,
+            text = self._decode(seq.output_token_ids, p.skip_special_tokens)
+        with_logprobs = p.logprobs is not None
+        return CompletionOutput(
+            index=seq.index,
             text=text,
             token_ids=seq.output_token_ids,
-            cumulative_logprob=None,
-            logprobs=None,
+            cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
+            logprobs=list(seq.logprobs) if with_logprobs else None,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )
+
+    def _request_output(self, group: SequenceGroup, prompt: PromptType) -> RequestOutput:
+        first = min(group.seqs, key=lambda s: s.index)
         return RequestOutput(
-            request_id=seq.request_id,
+            request_id=group.request_id,
             prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            outputs=[completion],
-            finished=seq.is_finished,
-            num_cached_tokens=seq.num_cached_tokens,
+            prompt_token_ids=first.token_ids[: first.num_prompt_tokens],
+            outputs=[self._completion(s) for s in sorted(group.seqs, key=lambda s: s.index)],
+            finished=group.is_finished,
+            num_cached_tokens=first.num_cached_tokens,
         )

@@ -1,13 +1,15 @@
-"""Paged KV memory: free list, ref counts, block tables and the prefix cache."""
+"""Paged KV memory: free list, ref counts, block tables, prefix cache, fork/CoW and swap."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
 from nanopaged.engine.sequence import Sequence
+from nanopaged.engine.swap import CpuBlockPool
 
 
 def hash_block(parent_hash: int, token_ids: list[int] | tuple[int, ...]) -> int:
@@ -17,14 +19,39 @@ def hash_block(parent_hash: int, token_ids: list[int] | tuple[int, ...]) -> int:
     return h.intdigest()
 
 
+@dataclass
+class KVStats:
+    """A snapshot of the device KV pool (and of the CPU swap pool)."""
+
+    num_blocks: int
+    num_used_blocks: int
+    num_shared_blocks: int  # ref count > 1
+    num_cached_free_blocks: int  # free, but still holding a prefix-cache hash
+    slot_utilization: float  # token slots holding a token / slots of the used blocks
+    peak_used_blocks: int  # highest num_used_blocks since reset_peaks (each LLM run resets)
+    peak_shared_blocks: int
+    num_cpu_blocks: int = 0
+    num_used_cpu_blocks: int = 0
+
+
 class BlockManager:
     """Hands out fixed-size KV blocks; shares full blocks by content through a prefix cache.
 
     A block is free at ref count 0. A freed block keeps its hash, so a later sequence can still
     hit it until it is handed out again; the least recently freed block is handed out first.
+    Forked sequences share all their blocks by reference count; the first write into a shared,
+    partially filled block copies it (copy-on-write). Full blocks are never written again, so
+    they stay shared. With num_cpu_blocks > 0, whole groups of sequences can be swapped out to
+    a CPU pool and back.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_cpu_blocks: int = 0,
+    ):
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -36,6 +63,10 @@ class BlockManager:
         # Insertion order is reallocation order: the head is handed out first.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        self.num_shared_blocks = 0  # blocks at ref count > 1, kept up to date by _incref/_decref
+        self.peak_used_blocks = 0
+        self.peak_shared_blocks = 0
+        self.cpu_pool = CpuBlockPool(num_cpu_blocks)
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -90,6 +121,7 @@ class BlockManager:
             self.block_keys[block_id] = None
         assert self.ref_counts[block_id] == 0
         self.ref_counts[block_id] = 1
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         return block_id
 
     def allocate(self, seq: Sequence, cached_blocks: list[int], num_new_tokens: int) -> bool:
@@ -106,35 +138,176 @@ class BlockManager:
         for b in cached_blocks:
             if self.ref_counts[b] == 0:
                 del self.free_blocks[b]
-            self.ref_counts[b] += 1
+            self._incref(b)
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         seq.block_table = cached_blocks + [self._take_free_block() for _ in range(num_fresh)]
         seq.num_computed_tokens = num_cached_tokens
         seq.num_registered_blocks = len(cached_blocks)
         return True
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Grow seq's block table to hold num_new_tokens past its computed ones; False if full."""
-        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
-        num_fresh = needed - len(seq.block_table)
+    def append_slots(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        blocks_to_copy: list[tuple[int, int]] | None = None,
+    ) -> bool:
+        """Grow seq's block table to hold num_new_tokens past its computed ones; False if full.
+
+        When the block the first new token goes into is shared (a fork left it partially
+        filled), seq gets a fresh copy of it instead (copy-on-write) and the (src, dst) pair is
+        appended to blocks_to_copy, for the runner to copy before the step's forward pass.
+        """
+        num_fresh = self.blocks_needed([(seq, num_new_tokens)])
         if num_fresh > self.num_free_blocks:
             return False
-        for _ in range(num_fresh):
+        shared = self._shared_write_block(seq, num_new_tokens)
+        if shared is not None:
+            assert blocks_to_copy is not None, "a shared block is written: pass blocks_to_copy"
+            assert self.block_hashes[seq.block_table[shared]] is None  # cached blocks are full
+            src = seq.block_table[shared]
+            dst = self._take_free_block()
+            self._decref(src)  # others still hold it: ref count stays >= 1
+            seq.block_table[shared] = dst
+            blocks_to_copy.append((src, dst))
+        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+        for _ in range(needed - len(seq.block_table)):
             seq.block_table.append(self._take_free_block())
         return True
+
+    def _shared_write_block(self, seq: Sequence, num_new_tokens: int) -> int | None:
+        """Index in seq's table of the shared block its next token would be written into."""
+        i = seq.num_computed_tokens // self.block_size
+        if num_new_tokens > 0 and i < len(seq.block_table):
+            if self.ref_counts[seq.block_table[i]] > 1:
+                return i
+        return None
+
+    def blocks_needed(self, work: list[tuple[Sequence, int]]) -> int:
+        """Free blocks that append_slots would take for each (seq, num_new_tokens), in order.
+
+        Counts copy-on-write exactly: of the sequences sharing a block, the last one to write
+        into it finds it no longer shared and writes in place.
+        """
+        total = 0
+        refs: dict[int, int] = {}
+        for seq, n in work:
+            total += max(0, self.num_blocks_for(seq.num_computed_tokens + n) - len(seq.block_table))
+            i = self._shared_write_block(seq, n)
+            if i is not None:
+                b = seq.block_table[i]
+                left = refs.get(b, self.ref_counts[b])
+                if left > 1:
+                    total += 1
+                    refs[b] = left - 1
+        return total
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give child parent's blocks, shared by reference count."""
+        assert not child.block_table
+        child.block_table = list(parent.block_table)
+        for block_id in child.block_table:
+            self._incref(block_id)
+
+    # ---- swapping (preemption by swap) ---------------------------------------------------
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        unique = {b for seq in seqs for b in seq.block_table}
+        return len(unique) <= self.cpu_pool.num_free_blocks
+
+    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Move seqs' blocks to the CPU pool (a block they share is copied once).
+
+        Returns the (device block, cpu block) pairs to copy; tables then hold CPU block ids.
+        Device blocks go back to the free list with their hashes, still hittable.
+        """
+        mapping: dict[int, int] = {}
+        for seq in seqs:
+            table = []
+            for block_id in seq.block_table:
+                cpu_id = mapping.get(block_id)
+                if cpu_id is None:
+                    cpu_id = mapping[block_id] = self.cpu_pool.allocate()
+                else:
+                    self.cpu_pool.incref(cpu_id)
+                table.append(cpu_id)
+            for block_id in reversed(seq.block_table):
+                self._decref(block_id)
+            seq.block_table = table
+            seq.num_registered_blocks = 0
+        return list(mapping.items())
+
+    def can_swap_in(self, seqs: list[Sequence], num_lookahead: int = 0) -> bool:
+        unique = {b for seq in seqs for b in seq.block_table}
+        return len(unique) + num_lookahead <= self.num_free_blocks
+
+    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Bring swapped-out seqs back into fresh device blocks; returns (cpu, device) pairs."""
+        mapping: dict[int, int] = {}
+        for seq in seqs:
+            table = []
+            for cpu_id in seq.block_table:
+                block_id = mapping.get(cpu_id)
+                if block_id is None:
+                    block_id = mapping[cpu_id] = self._take_free_block()
+                else:
+                    self._incref(block_id)
+                table.append(block_id)
+                self.cpu_pool.decref(cpu_id)
+            seq.block_table = table
+        return list(mapping.items())
+
+    # ---- statistics ----------------------------------------------------------------------
+    def reset_peaks(self) -> None:
+        self.peak_used_blocks = self.num_used_blocks
+        self.peak_shared_blocks = self.num_shared_blocks
+
+    def kv_stats(self, seqs: list[Sequence]) -> KVStats:
+        """Pool counts, and how full the used blocks are given seqs, those holding them."""
+        bs = self.block_size
+        filled: dict[int, int] = {}
+        for seq in seqs:
+            for i, block_id in enumerate(seq.block_table):
+                n = min(bs, max(0, seq.num_computed_tokens - i * bs))
+                filled[block_id] = max(filled.get(block_id, 0), n)
+        used = self.num_used_blocks
+        cached_free = sum(1 for b in self.free_blocks if self.block_hashes[b] is not None)
+        return KVStats(
+            num_blocks=self.num_blocks,
+            num_used_blocks=used,
+            num_shared_blocks=self.num_shared_blocks,
+            num_cached_free_blocks=cached_free,
+            slot_utilization=sum(filled.values()) / (used * bs) if used else 1.0,
+            peak_used_blocks=self.peak_used_blocks,
+            peak_shared_blocks=self.peak_shared_blocks,
+            num_cpu_blocks=self.cpu_pool.num_blocks,
+            num_used_cpu_blocks=self.cpu_pool.num_blocks - self.cpu_pool.num_free_blocks,
+        )
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; blocks at ref count 0 go back to the free list."""
         # Tail blocks first, so they are reallocated before the shared-prefix blocks.
         for block_id in reversed(seq.block_table):
-            self.ref_counts[block_id] -= 1
-            assert self.ref_counts[block_id] >= 0
-            if self.ref_counts[block_id] == 0:
-                self.free_blocks[block_id] = None
-                if self.block_hashes[block_id] is None:
-                    # Nothing to keep: hand it out before any block that can still be hit.
-                    self.free_blocks.move_to_end(block_id, last=False)
+            self._decref(block_id)
         seq.block_table = []
         seq.num_registered_blocks = 0
+
+    def _incref(self, block_id: int) -> None:
+        self.ref_counts[block_id] += 1
+        if self.ref_counts[block_id] == 2:
+            self.num_shared_blocks += 1
+            self.peak_shared_blocks = max(self.peak_shared_blocks, self.num_shared_blocks)
+
+    def _decref(self, block_id: int) -> None:
+        """Drop one reference; at ref count 0 the block goes back to the free list."""
+        self.ref_counts[block_id] -= 1
+        refs = self.ref_counts[block_id]
+        assert refs >= 0
+        if refs == 1:
+            self.num_shared_blocks -= 1
+        elif refs == 0:
+            self.free_blocks[block_id] = None
+            if self.block_hashes[block_id] is None:
+                # Nothing to keep: hand it out before any block that can still be hit.
+                self.free_blocks.move_to_end(block_id, last=False)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register seq's blocks that are full of computed tokens in the prefix cache."""
@@ -169,3 +342,5 @@ class BlockManager:
             self.ref_counts[block_id] = 0
             if block_id not in self.free_blocks:
                 self.free_blocks[block_id] = None
+        self.num_shared_blocks = 0
+        self.cpu_pool.free_all()

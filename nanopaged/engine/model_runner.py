@@ -11,8 +11,11 @@ import torch
 from nanopaged.config import EngineConfig, ModelConfig
 from nanopaged.engine.block_tables import BlockTableBuilder
 from nanopaged.engine.cuda_graph import DecodeGraphs
+from nanopaged.engine.sample_output import SampleOutput
+from nanopaged.engine.sampling import needs_sample_outputs, sample_sequences
 from nanopaged.engine.scheduler import ScheduledBatch
 from nanopaged.engine.sequence import Sequence
+from nanopaged.engine.swap import allocate_cpu_kv_cache, run_block_ops
 from nanopaged.layers.attention import Attention, AttentionMetadata
 from nanopaged.layers.sampler import SamplingTensors, sample
 from nanopaged.loader import load_weights
@@ -70,6 +73,8 @@ class ModelRunner:
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]
         self._tables = BlockTableBuilder()
+        # The CPU swap pool (preemption_mode="swap"), see allocate_swap_space.
+        self.cpu_kv_cache: torch.Tensor | None = None
         self._sampling_cache: tuple[tuple[int, ...], SamplingTensors] | None = None
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and not engine_config.enforce_eager:
@@ -83,6 +88,10 @@ class ModelRunner:
                 device,
             )
             self.graphs.capture()
+
+    def allocate_swap_space(self, num_blocks: int) -> None:
+        """Allocate the CPU swap pool: num_blocks blocks shaped like the device cache's."""
+        self.cpu_kv_cache = allocate_cpu_kv_cache(self.kv_cache, num_blocks)
 
     # ---- sizing --------------------------------------------------------------------------
     @property
@@ -237,8 +246,19 @@ class ModelRunner:
                     logits[i, banned] = float("-inf")
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, eos_token_ids: set[int]) -> list[int]:
-        """Compute the batch's scheduled tokens; returns a token for each sequence that samples."""
+    def run(
+        self, batch: ScheduledBatch, eos_token_ids: set[int]
+    ) -> list[int] | list[SampleOutput]:
+        """Compute the batch's scheduled tokens; returns a token for each sequence that samples
+        (a SampleOutput each when a fork, a beam, logprobs or penalties are involved)."""
+        # Swaps and copy-on-write copies go before the forward (and outside any CUDA graph).
+        run_block_ops(
+            self.kv_cache,
+            self.cpu_kv_cache,
+            batch.blocks_to_swap_out,
+            batch.blocks_to_swap_in,
+            batch.blocks_to_copy,
+        )
         seqs = batch.seqs
         starts = [s.num_computed_tokens for s in seqs]
         input_ids: list[int] = []
@@ -261,6 +281,8 @@ class ModelRunner:
         logits_indices = torch.tensor(last[sampling_rows], device=self.device)
         logits = self.model.compute_logits(hidden[logits_indices]).float()
         sampled_seqs = [seqs[i] for i in sampling_rows]
+        if needs_sample_outputs(sampled_seqs):
+            return sample_sequences(logits, sampled_seqs, eos_token_ids, self.generator)
         self._mask_early_stops(logits, sampled_seqs, eos_token_ids)
         tokens = sample(logits, self._sampling_tensors(sampled_seqs), self.generator)
         return tokens.tolist()

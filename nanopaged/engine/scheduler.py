@@ -5,16 +5,25 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from nanopaged.config import PREEMPTION_MODES
+from nanopaged.engine.beam import beam_search_step, finalize_beams
 from nanopaged.engine.block_manager import BlockManager
+from nanopaged.engine.group import SequenceGroup
+from nanopaged.engine.sample_output import SampleOutput
 from nanopaged.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
 class ScheduledBatch:
-    """The sequences of one step and how many of their tokens to compute now."""
+    """The sequences of one step, how many of their tokens to compute now, and the block moves
+    (swap out, swap in, copy-on-write) the runner makes before the forward pass, in that order.
+    """
 
     seqs: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -29,13 +38,24 @@ class ScheduledBatch:
         return seq.num_computed_tokens + self.num_scheduled_tokens[i] == len(seq)
 
 
-class Scheduler:
-    """FCFS continuous batching with chunked prefill and preemption by recompute.
+@dataclass
+class StepOutput:
+    """What postprocess changed: sequences that got tokens, and those that finished."""
 
-    Each step first extends the running sequences (one token for a decode, the next chunk for
-    a prefill in progress), then admits waiting ones while the token budget and blocks last.
-    When a running sequence cannot get a block, the newest running sequence is preempted: its
-    blocks are freed and it waits again at the head of the queue, to be recomputed.
+    grown: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+    finished_groups: list[SequenceGroup] = field(default_factory=list)
+
+
+class Scheduler:
+    """FCFS continuous batching of sequence groups, chunked prefill, preemption of whole groups.
+
+    Each step first extends the running groups (one token per decoding sequence, the next chunk
+    of a prefill in progress), then brings back swapped-out groups, then admits waiting ones,
+    while the token budget and blocks last. When a running group cannot get blocks, the newest
+    running group is preempted whole, because its sequences share blocks: by recompute (blocks
+    freed, it waits again at the head of the queue) or by swap (blocks moved to the CPU pool;
+    recompute when the pool is full).
     """
 
     def __init__(
@@ -45,99 +65,244 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        preemption_mode: str = "recompute",
     ) -> None:
+        assert preemption_mode in PREEMPTION_MODES, preemption_mode
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.preemption_mode = preemption_mode
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []
+        self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = 0
+        self.num_swap_outs = 0
 
-    def add(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+    def add(self, item: Sequence | SequenceGroup) -> SequenceGroup:
+        """Queue a request; a bare Sequence becomes a group of one."""
+        group = item if isinstance(item, SequenceGroup) else SequenceGroup(item.request_id, item)
+        for seq in group.seqs:
+            seq.status = SequenceStatus.WAITING
+        self.waiting.append(group)
+        return group
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(g.max_num_running_seqs for g in self.running)
+
+    def _has_room(self, group: SequenceGroup) -> bool:
+        # An empty engine takes any group, so a request larger than max_num_seqs still runs.
+        return (
+            not self.running
+            or self.num_running_seqs + group.max_num_running_seqs <= self.max_num_seqs
+        )
+
+    @staticmethod
+    def _plan(remaining: list[int], budget: int) -> list[int]:
+        """Tokens to compute now for sequences with `remaining` uncomputed tokens each.
+
+        Sequences of one group reach their last token, and sample, in the same step: when the
+        budget cannot finish all of them, each is advanced to at most its next-to-last token.
+        """
+        if sum(remaining) <= budget:
+            return list(remaining)
+        if len(remaining) == 1:
+            return [budget]
+        plan = []
+        for r in remaining:
+            n = min(r - 1, budget)
+            plan.append(n)
+            budget -= n
+        return plan
+
+    def _preempt(self, group: SequenceGroup, batch: ScheduledBatch) -> None:
+        bm = self.block_manager
+        seqs = group.seqs_with_status(SequenceStatus.RUNNING)
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.preemption_mode == "swap" and bm.can_swap_out(seqs):
+            batch.blocks_to_swap_out.extend(bm.swap_out(seqs))
+            for seq in seqs:
+                seq.status = SequenceStatus.SWAPPED
+            self.num_swap_outs += 1
+            self.swapped.appendleft(group)
+            return
+        for seq in seqs:
+            bm.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            seq.num_preemptions += 1
+        self.waiting.appendleft(group)
 
     def schedule(self) -> ScheduledBatch:
-        """Pick this step's work; may preempt running sequences to make room."""
+        """Pick this step's work; may preempt running groups to make room."""
         bm = self.block_manager
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(len(seq) - seq.num_computed_tokens, budget)
-            while not bm.append_slots(seq, num_new):
+            group = self.running[i]
+            seqs = group.seqs_with_status(SequenceStatus.RUNNING)
+            counts = self._plan([len(s) - s.num_computed_tokens for s in seqs], budget)
+            work = [(s, n) for s, n in zip(seqs, counts) if n > 0]
+            if not work:
+                break
+            while bm.blocks_needed(work) > bm.num_free_blocks:
                 victim = self.running.pop()
-                self._preempt(victim)
+                self._preempt(victim, batch)
                 preempted = True
-                if victim is seq:
+                if victim is group:
                     break
             else:
-                batch.seqs.append(seq)
-                batch.num_scheduled_tokens.append(num_new)
-                budget -= num_new
+                for seq, n in work:
+                    assert bm.append_slots(seq, n, batch.blocks_to_copy)
+                    batch.seqs.append(seq)
+                    batch.num_scheduled_tokens.append(n)
+                    budget -= n
                 i += 1
                 continue
-            break  # seq preempted itself: nothing newer is left to run
+            break  # the group preempted itself: nothing newer is left to run
 
-        # Admit waiting sequences only when nothing was preempted, or they would thrash.
-        while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-        ):
-            seq = self.waiting[0]
-            cached = bm.get_computed_blocks(seq)
-            num_cached_tokens = len(cached) * bm.block_size
-            num_new = min(len(seq) - num_cached_tokens, budget)
-            if not bm.allocate(seq, cached, num_new):
+        # Swapped-out groups come back before new ones are admitted, and only when nothing was
+        # preempted this step, or they would thrash.
+        while not preempted and self.swapped and budget > 0:
+            group = self.swapped[0]
+            if not self._has_room(group):
+                break
+            seqs = group.seqs_with_status(SequenceStatus.SWAPPED)
+            counts = self._plan([len(s) - s.num_computed_tokens for s in seqs], budget)
+            # Room to grow each table, plus a copy-on-write block each at most.
+            grow = sum(
+                max(0, bm.num_blocks_for(s.num_computed_tokens + n) - len(s.block_table)) + 1
+                for s, n in zip(seqs, counts)
+            )
+            if sum(counts) == 0 or not bm.can_swap_in(seqs, grow):
+                break
+            self.swapped.popleft()
+            batch.blocks_to_swap_in.extend(bm.swap_in(seqs))
+            self.running.append(group)
+            for seq, n in zip(seqs, counts):
+                seq.status = SequenceStatus.RUNNING
+                if n > 0:
+                    assert bm.append_slots(seq, n, batch.blocks_to_copy)
+                    batch.seqs.append(seq)
+                    batch.num_scheduled_tokens.append(n)
+                    budget -= n
+
+        while not preempted and not self.swapped and self.waiting and budget > 0:
+            group = self.waiting[0]
+            if not self._has_room(group):
+                break
+            if not self._admit(group, budget, batch):
                 break
             self.waiting.popleft()
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens = num_cached_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_scheduled_tokens.append(num_new)
-            budget -= num_new
+            self.running.append(group)
+            budget = self.max_num_batched_tokens - batch.total_tokens
         return batch
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
-        """Advance computed counts, append sampled tokens, finish sequences; returns finished.
+    def _admit(self, group: SequenceGroup, budget: int, batch: ScheduledBatch) -> bool:
+        """Allocate blocks for every waiting sequence of group (all or none) and schedule them."""
+        bm = self.block_manager
+        seqs = group.seqs_with_status(SequenceStatus.WAITING)
+        cached = [bm.get_computed_blocks(s) for s in seqs]
+        remaining = [len(s) - len(c) * bm.block_size for s, c in zip(seqs, cached)]
+        counts = self._plan(remaining, budget)
+        if sum(counts) == 0:
+            return False
+        done: list[Sequence] = []
+        for seq, blocks, n in zip(seqs, cached, counts):
+            if not bm.allocate(seq, blocks, n):
+                for d in done:  # roll back: the group runs whole or not at all
+                    bm.free(d)
+                    d.num_computed_tokens = 0
+                return False
+            done.append(seq)
+        for seq, n in zip(seqs, counts):
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            if n > 0:
+                batch.seqs.append(seq)
+                batch.num_scheduled_tokens.append(n)
+        return True
 
-        `sampled` holds one token per sequence of the batch that samples, in batch order.
+    def postprocess(
+        self, batch: ScheduledBatch, sampled: list[int] | list[SampleOutput]
+    ) -> StepOutput:
+        """Advance computed counts, append sampled tokens (forking and stepping beams), finish
+        sequences.
+
+        `sampled` holds, in batch order, a token id or a SampleOutput for each sequence of the
+        batch that samples.
         """
         bm = self.block_manager
-        finished: list[Sequence] = []
-        tokens = iter(sampled)
+        step = StepOutput()
+        outputs = iter(sampled)
+        beam_results: dict[int, list[tuple[Sequence, SampleOutput]]] = {}
         for i, seq in enumerate(batch.seqs):
             samples = batch.samples(i)
             seq.num_computed_tokens += batch.num_scheduled_tokens[i]
             bm.cache_full_blocks(seq)
             if not samples:
                 continue
-            token = next(tokens)
-            seq.token_ids.append(token)
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self.finish(seq, *reason)
-                finished.append(seq)
-        return finished
+            out = next(outputs)
+            if not isinstance(out, SampleOutput):
+                out = SampleOutput([out])
+            group = seq.group
+            if group is not None and group.is_beam_search:
+                beam_results.setdefault(id(group), []).append((seq, out))
+                continue
+            grown = [seq]
+            if len(out.token_ids) > 1:
+                grown = self._fork_samples(seq, out)
+            else:
+                _append(seq, out, 0)
+            for s in grown:
+                step.grown.append(s)
+                reason = self._stop_reason(s, s.token_ids[-1])
+                if reason is not None:
+                    self.finish(s, *reason)
+                    step.finished.append(s)
+                    if s.group is not None and s.group.is_finished:
+                        step.finished_groups.append(s.group)
+        for results in beam_results.values():
+            group = results[0][0].group
+            live = beam_search_step(group, results, self.eos_token_ids, bm)
+            step.grown.extend(live)
+            head = live[0] if live else None
+            if (
+                head is None
+                or head.num_output_tokens >= group.beam_params.max_tokens
+                or len(head) >= self.max_model_len
+            ):
+                step.finished.extend(live)
+                finalize_beams(group, bm)
+                self.running.remove(group)
+                step.finished_groups.append(group)
+        return step
+
+    def _fork_samples(self, parent: Sequence, out: SampleOutput) -> list[Sequence]:
+        """The prompt's first sampling step: parent becomes sample 0, children 1..n-1."""
+        group = parent.group
+        group.forked = True
+        children = []
+        for j in range(1, len(out.token_ids)):
+            child = parent.fork()
+            child.index = j
+            child.generator = out.generators[j] if out.generators else None
+            self.block_manager.fork(parent, child)
+            group.add_child(child)
+            children.append(child)
+        if out.generators:
+            parent.generator = out.generators[0]
+        for j, seq in enumerate([parent] + children):
+            _append(seq, out, j)
+        return [parent] + children
 
     def _stop_reason(self, seq: Sequence, token: int) -> tuple[str, int | None] | None:
         params = seq.sampling_params
@@ -151,21 +316,40 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
-        """End a running sequence now and give its blocks back."""
+        """End a running sequence now and give its blocks back; its group ends with its last."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         self.block_manager.free(seq)
-        self.running.remove(seq)
+        group = seq.group
+        if group is not None and group.is_finished and group in self.running:
+            self.running.remove(group)
 
-    def abort_all(self) -> list[Sequence]:
-        """Drop every queued and running sequence, freeing their blocks."""
-        dropped = list(self.running) + list(self.waiting)
-        for seq in self.running:
-            self.block_manager.free(seq)
-            seq.status = SequenceStatus.FINISHED
-        for seq in self.waiting:
-            seq.status = SequenceStatus.FINISHED
+    def abort_all(self) -> list[SequenceGroup]:
+        """Drop every queued, running and swapped group, freeing their blocks."""
+        dropped = list(self.running) + list(self.swapped) + list(self.waiting)
+        for group in self.running:
+            for seq in group.seqs_with_status(SequenceStatus.RUNNING):
+                self.block_manager.free(seq)
+        for group in self.swapped:
+            for seq in group.seqs_with_status(SequenceStatus.SWAPPED):
+                for cpu_id in seq.block_table:
+                    self.block_manager.cpu_pool.decref(cpu_id)
+                seq.block_table = []
+        for group in dropped:
+            for seq in group.seqs:
+                seq.status = SequenceStatus.FINISHED
+            group.beams_done = True
         self.running.clear()
+        self.swapped.clear()
         self.waiting.clear()
         return dropped
+
+
+def _append(seq: Sequence, out: SampleOutput, j: int) -> None:
+    """Give seq token j of out, with its logprobs when they were computed."""
+    seq.token_ids.append(out.token_ids[j])
+    if out.logprobs is not None:
+        seq.cumulative_logprob += out.logprobs[j]
+    if out.top_logprobs is not None:
+        seq.logprobs.append(out.top_logprobs[j])

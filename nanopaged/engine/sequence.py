@@ -1,16 +1,23 @@
-"""A sequence: its tokens, where its KV lives and how far it has been computed."""
+"""A sequence: its tokens, where its KV lives and how far it has been computed; its group."""
 
 from __future__ import annotations
 
 import enum
 import itertools
+from typing import TYPE_CHECKING
 
 from nanopaged.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from nanopaged.engine.group import SequenceGroup
 
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
+    SWAPPED = enum.auto()  # its KV lives in the CPU swap pool; block_table holds CPU block ids
     FINISHED = enum.auto()
 
 
@@ -41,6 +48,26 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # The request this sequence belongs to, and its place among the request's outputs.
+        self.group: SequenceGroup | None = None
+        self.index = 0
+        # A seeded request's own random stream for this sample (None: the engine's stream).
+        self.generator: torch.Generator | None = None
+        # Sum of the sampled tokens' logprobs, and per token the top logprobs (when asked).
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, float]] = []
+
+    def fork(self) -> Sequence:
+        """A copy with a new seq_id sharing nothing mutable; the BlockManager shares the KV."""
+        child = Sequence.__new__(Sequence)
+        child.__dict__.update(self.__dict__)
+        child.seq_id = next(_seq_ids)
+        child.token_ids = list(self.token_ids)
+        child.block_table = []
+        child.block_hashes = list(self.block_hashes)
+        child.logprobs = list(self.logprobs)
+        child.generator = None
+        return child
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -67,3 +67,25 @@ def sample(
             noise[rows] = torch.empty_like(noise[rows]).exponential_(generator=generator)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(is_greedy, greedy_tokens, sampled)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    seen: torch.Tensor,
+    output_counts: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
+    """vLLM's penalties: repetition (prompt + output tokens), then frequency and presence
+    (output tokens only).
+
+    logits: [batch, vocab]; seen: [batch, vocab] bool, in the prompt or the output;
+    output_counts: [batch, vocab], occurrences in the output; presence, frequency, repetition:
+    [batch]. A seen token's logit is divided by repetition when positive, multiplied when not.
+    """
+    rep = repetition[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    counts = output_counts.to(logits.dtype)
+    logits = logits - frequency[:, None] * counts
+    return logits - presence[:, None] * (counts > 0).to(logits.dtype)

@@ -50,7 +50,7 @@ def test_max_num_seqs_bounds_running():
         s.add(q)
     batch = _step(s)
     assert batch.seqs == seqs[:2]
-    assert list(s.waiting) == [seqs[2]]
+    assert [g.seqs for g in s.waiting] == [[seqs[2]]]
 
 
 def test_newest_running_sequence_is_preempted():
@@ -62,7 +62,7 @@ def test_newest_running_sequence_is_preempted():
     _step(s)  # prefill both: 4 blocks; each sampled one token (9 tokens, 8 computed)
     batch = _step(s)  # a gets the last free block; b has none left: b (newest) is preempted
     assert batch.seqs == [a]
-    assert b.status == SequenceStatus.WAITING and list(s.waiting) == [b]
+    assert b.status == SequenceStatus.WAITING and [g.seqs for g in s.waiting] == [[b]]
     assert b.block_table == [] and b.num_computed_tokens == 0
     assert s.num_preemptions == 1
     while s.has_unfinished():

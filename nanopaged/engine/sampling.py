@@ -1,0 +1,190 @@
+"""Sampling for steps that need more than one token per row: forks (n > 1), beams, logprobs,
+penalties. Plain steps keep the runner's fast path, which returns bare token ids."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import xxhash
+
+from nanopaged.engine.sample_output import SampleOutput
+from nanopaged.engine.sequence import Sequence
+from nanopaged.layers.sampler import SamplingTensors, apply_penalties, sample
+from nanopaged.sampling_params import SamplingParams
+
+
+def needs_sample_outputs(seqs: list[Sequence]) -> bool:
+    """Whether any of seqs needs this module rather than one plain token per row."""
+    for seq in seqs:
+        group = seq.group
+        if group is not None and (group.is_beam_search or not group.forked):
+            return True
+        p = seq.sampling_params
+        if p.logprobs is not None or p.has_penalties:
+            return True
+    return False
+
+
+def sample_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
+    """The random stream of sample `index` of a request seeded with `seed`.
+
+    Sample 0 uses the seed itself (as n = 1 does); the others a hash of (seed, index), so the
+    samples differ from each other and each is reproducible whatever else is in the batch.
+    """
+    if index:
+        seed = xxhash.xxh64_intdigest(f"{seed}:{index}".encode())
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """counts: [len(token_lists), vocab] int32, occurrences of each token in each list."""
+    width = max(1, max(len(t) for t in token_lists))
+    ids = np.full((len(token_lists), width), vocab, dtype=np.int64)  # vocab = padding column
+    for i, t in enumerate(token_lists):
+        ids[i, : len(t)] = t
+    ids_t = torch.from_numpy(ids).to(device)
+    counts = torch.zeros(len(token_lists), vocab + 1, dtype=torch.int32, device=device)
+    counts.scatter_add_(1, ids_t, torch.ones_like(ids_t, dtype=torch.int32))
+    return counts[:, :vocab]
+
+
+def penalize(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Apply each sequence's presence/frequency/repetition penalties to its row of logits."""
+    rows = [i for i, s in enumerate(seqs) if s.sampling_params.has_penalties]
+    if not rows:
+        return logits
+    vocab, dev = logits.shape[-1], logits.device
+    pen = [seqs[i] for i in rows]
+    out_counts = _token_counts([s.output_token_ids for s in pen], vocab, dev)
+    seen = (_token_counts([s.token_ids[: s.num_prompt_tokens] for s in pen], vocab, dev) > 0) | (
+        out_counts > 0
+    )
+    values = torch.tensor(
+        [
+            [s.sampling_params.presence_penalty for s in pen],
+            [s.sampling_params.frequency_penalty for s in pen],
+            [s.sampling_params.repetition_penalty for s in pen],
+        ],
+        dtype=logits.dtype,
+    ).to(dev)
+    idx = torch.tensor(rows, device=dev)
+    logits = logits.clone()
+    logits[idx] = apply_penalties(logits[idx], seen, out_counts, values[0], values[1], values[2])
+    return logits
+
+
+def mask_early_stops(logits: torch.Tensor, seqs: list[Sequence], eos: set[int]) -> None:
+    """Forbid EOS and stop tokens to sequences that have not reached min_tokens (in place)."""
+    for i, seq in enumerate(seqs):
+        p = seq.sampling_params
+        if seq.num_output_tokens < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
+            if banned:
+                logits[i, banned] = float("-inf")
+
+
+def sampling_tensors(
+    params: list[SamplingParams], generators: list[torch.Generator | None], vocab: int, device
+) -> SamplingTensors:
+    top_ks = [p.top_k if p.top_k > 0 else vocab for p in params]
+    return SamplingTensors(
+        temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32).to(device),
+        top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device),
+        top_ks=torch.tensor(top_ks, dtype=torch.long).to(device),
+        min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32).to(device),
+        generators=generators,
+        all_greedy=all(p.greedy for p in params),
+        any_top_p_k=any(p.top_p < 1 or 0 < p.top_k < vocab for p in params),
+        any_min_p=any(p.min_p > 0 for p in params),
+    )
+
+
+def sample_sequences(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    eos_token_ids: set[int],
+    generator: torch.Generator | None,
+) -> list[SampleOutput]:
+    """One SampleOutput per sequence (one logits row each, logits: [len(seqs), vocab] fp32).
+
+    A beam gets its 2 * beam_width most likely tokens under the raw distribution. A parent that
+    forks into n samples draws n tokens from its row, sample j from its own random stream.
+    Logprobs are those of the raw model distribution (before penalties and temperature).
+    """
+    vocab, dev = logits.shape[-1], logits.device
+    want_logprobs = [
+        (s.group is not None and s.group.is_beam_search) or s.sampling_params.logprobs is not None
+        for s in seqs
+    ]
+    # raw: [len(seqs), vocab] log-probabilities of the model's own distribution
+    raw = logits.log_softmax(dim=-1) if any(want_logprobs) else None
+    outputs: list[SampleOutput | None] = [None] * len(seqs)
+
+    beam_rows = [i for i, s in enumerate(seqs) if s.group is not None and s.group.is_beam_search]
+    if beam_rows:
+        widths = [2 * seqs[i].group.beam_params.beam_width for i in beam_rows]
+        k = min(max(widths), vocab)
+        values, tokens = raw[torch.tensor(beam_rows, device=dev)].topk(k, dim=-1)
+        values, tokens = values.tolist(), tokens.tolist()
+        for r, i in enumerate(beam_rows):
+            w = min(widths[r], vocab)
+            outputs[i] = SampleOutput(token_ids=tokens[r][:w], logprobs=values[r][:w])
+
+    rows = [i for i in range(len(seqs)) if outputs[i] is None]
+    if not rows:
+        return outputs
+    row_seqs = [seqs[i] for i in rows]
+    sub = logits[torch.tensor(rows, device=dev)] if len(rows) < len(seqs) else logits
+    sub = penalize(sub, row_seqs)
+    if sub is logits:
+        sub = logits.clone()
+    mask_early_stops(sub, row_seqs, eos_token_ids)
+    # A parent about to fork draws one token per sample from its row.
+    repeats = [
+        s.group.num_samples if s.group is not None and not s.group.forked else 1
+        for s in row_seqs
+    ]
+    expand = [r for r, k in enumerate(repeats) for _ in range(k)]
+    params, gens = [], []
+    for s, k in zip(row_seqs, repeats):
+        seed = s.sampling_params.seed
+        for j in range(k):
+            params.append(s.sampling_params)
+            if j == 0 or seed is None:
+                gens.append(s.generator)
+            else:
+                gens.append(sample_generator(seed, j, dev))
+    if len(expand) > len(rows):
+        sub = sub[torch.tensor(expand, device=dev)]
+    st = sampling_tensors(params, gens, vocab, dev)
+    sampled = sample(sub, st, generator)
+    tokens = sampled.tolist()
+
+    lp_rows = [r for r in range(len(expand)) if want_logprobs[rows[expand[r]]]]
+    sampled_lp: dict[int, float] = {}
+    top: dict[int, dict[int, float]] = {}
+    if lp_rows:
+        sel = torch.tensor([rows[expand[r]] for r in lp_rows], device=dev)
+        lp = raw[sel]  # [len(lp_rows), vocab]
+        picked = lp.gather(1, sampled[torch.tensor(lp_rows, device=dev)][:, None]).squeeze(1)
+        k = min(max(seqs[rows[expand[r]]].sampling_params.logprobs or 0 for r in lp_rows), vocab)
+        top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+        picked, top_v, top_i = picked.tolist(), top_v.tolist(), top_i.tolist()
+        for n, r in enumerate(lp_rows):
+            want = seqs[rows[expand[r]]].sampling_params.logprobs or 0
+            d = dict(zip(top_i[n][:want], top_v[n][:want]))
+            d[tokens[r]] = picked[n]
+            sampled_lp[r], top[r] = picked[n], d
+
+    start = 0
+    for i, k in zip(rows, repeats):
+        span = range(start, start + k)
+        start += k
+        out = SampleOutput(token_ids=[tokens[e] for e in span])
+        if want_logprobs[i]:
+            out.logprobs = [sampled_lp[e] for e in span]
+            out.top_logprobs = [top[e] for e in span]
+        if k > 1:
+            out.generators = [gens[e] for e in span]
+        outputs[i] = out
+    return outputs

@@ -1,0 +1,104 @@
+"""Block moves outside the forward pass: the CPU swap pool, swap in/out, copy-on-write."""
+
+from __future__ import annotations
+
+import torch
+
+from nanopaged.kernels.copy_blocks import copy_blocks, copy_blocks_ref
+
+
+class CpuBlockPool:
+    """Free list and ref counts of the CPU blocks (no prefix cache: swapped KV is private)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        assert num_blocks >= 0
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def allocate(self) -> int:
+        block_id = self.free_blocks.pop()
+        assert self.ref_counts[block_id] == 0
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def incref(self, block_id: int) -> None:
+        assert self.ref_counts[block_id] > 0
+        self.ref_counts[block_id] += 1
+
+    def decref(self, block_id: int) -> None:
+        self.ref_counts[block_id] -= 1
+        assert self.ref_counts[block_id] >= 0
+        if self.ref_counts[block_id] == 0:
+            self.free_blocks.append(block_id)
+
+    def free_all(self) -> None:
+        self.ref_counts = [0] * self.num_blocks
+        self.free_blocks = list(range(self.num_blocks - 1, -1, -1))
+
+
+def allocate_cpu_kv_cache(kv_cache: torch.Tensor, num_blocks: int) -> torch.Tensor | None:
+    """A host tensor shaped like kv_cache with num_blocks blocks; pinned when kv_cache is on CUDA.
+
+    kv_cache: [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim].
+    """
+    if num_blocks == 0:
+        return None
+    shape = list(kv_cache.shape)
+    shape[2] = num_blocks
+    return torch.empty(
+        shape, dtype=kv_cache.dtype, device="cpu", pin_memory=kv_cache.is_cuda
+    )
+
+
+def swap_blocks(
+    src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: list[tuple[int, int]]
+) -> None:
+    """Copy whole blocks src_cache[:, :, s] -> dst_cache[:, :, d] for (s, d) in pairs.
+
+    The two caches may live on different devices (device -> CPU pool, or back).
+    """
+    if not pairs:
+        return
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src_cache.device)
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst_cache.device)
+    # blocks: [2, num_layers, len(pairs), block_size, num_kv_heads, head_dim]
+    blocks = src_cache.index_select(2, src)
+    if blocks.device != dst_cache.device:
+        # Device -> host lands in pageable memory; host -> device goes through a pinned copy
+        # so it need not block the host.
+        if blocks.is_cuda or not dst_cache.is_cuda:
+            blocks = blocks.to(dst_cache.device)
+        else:
+            blocks = blocks.pin_memory().to(dst_cache.device, non_blocking=True)
+    dst_cache.index_copy_(2, dst, blocks)
+
+
+def run_block_ops(
+    kv_cache: torch.Tensor,
+    cpu_kv_cache: torch.Tensor | None,
+    blocks_to_swap_out: list[tuple[int, int]],
+    blocks_to_swap_in: list[tuple[int, int]],
+    blocks_to_copy: list[tuple[int, int]],
+) -> None:
+    """A step's block moves, before its forward pass: swap out, swap in, then copy-on-write.
+
+    Swap-outs go first because the device blocks they free may be handed out again this very
+    step (as copy-on-write targets, say); all copy-on-write pairs go in one copy_blocks call.
+    """
+    if blocks_to_swap_out or blocks_to_swap_in:
+        assert cpu_kv_cache is not None, "swapping needs the CPU KV cache"
+        swap_blocks(kv_cache, cpu_kv_cache, blocks_to_swap_out)
+        swap_blocks(cpu_kv_cache, kv_cache, blocks_to_swap_in)
+    if blocks_to_copy:
+        # pairs: [2, num_pairs] = src, dst
+        pairs = torch.tensor(blocks_to_copy, dtype=torch.long).T.contiguous()
+        pairs = pairs.to(kv_cache.device, non_blocking=True)
+        if kv_cache.is_cuda:
+            copy_blocks(kv_cache, pairs[0], pairs[1])
+        else:
+            copy_blocks_ref(kv_cache, pairs[0], pairs[1])
