@@ -2,7 +2,7 @@
 
 from nanopaged.llm import LLM
 from nanopaged.outputs import CompletionOutput, RequestOutput
-from nanopaged.sampling_params import SamplingParams
+from nanopaged.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
