@@ -7,6 +7,9 @@ import math
 import torch
 from torch import nn
 
+from nanopaged.kernels.rotary import apply_rotary, qk_norm_rotary
+from nanopaged.layers.norm import RMSNorm
+
 
 def _inv_freq(head_dim: int, base: float) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -56,9 +59,28 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.is_cuda:
+            return apply_rotary(q, k, self.cos, self.sin, positions)
         # q: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, 1, head_dim]
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         q = q * cos + self._rotate_half(q) * sin
         k = k * cos + self._rotate_half(k) * sin
         return q, k
+
+    def forward_with_qk_norm(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_norm: RMSNorm,
+        k_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head q_norm/k_norm then RoPE; one fused kernel on CUDA (Qwen3)."""
+        # q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim]
+        fusable = q_norm.eps == k_norm.eps and q_norm.weight.dtype == k_norm.weight.dtype == q.dtype
+        if q.is_cuda and fusable:
+            return qk_norm_rotary(
+                q, k, q_norm.weight, k_norm.weight, q_norm.eps, self.cos, self.sin, positions
+            )
+        return self(positions, q_norm(q), k_norm(k))

@@ -1,0 +1,204 @@
+"""Rotate-half RoPE on q and k, optionally after Qwen3's per-head q/k RMSNorm, in one kernel."""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs use rotary_ref / qk_norm_rotary_ref
+    triton = None
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def rotary_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference: x * cos + rotate_half(x) * sin with the tables cast to x's dtype."""
+    # q: [num_tokens, num_heads, head_dim]; cos_t, sin_t: [num_tokens, 1, head_dim]
+    cos_t = cos[positions].unsqueeze(1).to(q.dtype)
+    sin_t = sin[positions].unsqueeze(1).to(q.dtype)
+    q = q * cos_t + _rotate_half(q) * sin_t
+    k = k * cos_t + _rotate_half(k) * sin_t
+    return q, k
+
+
+def _head_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def qk_norm_rotary_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference: RMSNorm of every q and k head over head_dim, then rotary_ref."""
+    q = _head_rms_norm_ref(q, q_weight, eps)
+    k = _head_rms_norm_ref(k, k_weight, eps)
+    return rotary_ref(q, k, cos, sin, positions)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rotate_heads(
+        x_ptr, out_ptr, weight_ptr, stride_h, stride_oh, num_heads,
+        c1, s1, c2, s2, inv_head_dim, eps,
+        HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+        APPLY_NORM: tl.constexpr,
+    ):
+        # x_ptr/out_ptr point at one token's first head; the row splits into halves x1 | x2.
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_HALF)[None, :]
+        mask = (h < num_heads) & (d < HALF)
+        x1 = tl.load(x_ptr + h * stride_h + d, mask=mask, other=0.0)
+        x2 = tl.load(x_ptr + h * stride_h + HALF + d, mask=mask, other=0.0)
+        dtype = x_ptr.dtype.element_ty
+        f1 = x1.to(tl.float32)
+        f2 = x2.to(tl.float32)
+        if APPLY_NORM:
+            mean_sq = (tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) * inv_head_dim
+            rstd = tl.rsqrt(mean_sq + eps)[:, None]
+            w1 = tl.load(weight_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)
+            w2 = tl.load(weight_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+            # Same roundings as torch: normed to x's dtype, times weight rounded again.
+            f1 = ((f1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+            f2 = ((f2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+        # torch rounds each product and the sum to x's dtype; so do we (no FMA, see launcher).
+        o1 = (f1 * c1).to(dtype).to(tl.float32) - (f2 * s1).to(dtype).to(tl.float32)
+        o2 = (f2 * c2).to(dtype).to(tl.float32) + (f1 * s2).to(dtype).to(tl.float32)
+        tl.store(out_ptr + h * stride_oh + d, o1.to(dtype), mask=mask)
+        tl.store(out_ptr + h * stride_oh + HALF + d, o2.to(dtype), mask=mask)
+
+    @triton.jit
+    def _rotary_kernel(
+        q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_ptr,
+        cos_ptr, sin_ptr, positions_ptr, num_heads, num_kv_heads, inv_head_dim, eps,
+        stride_qt, stride_qh, stride_kt, stride_kh,
+        stride_oqt, stride_oqh, stride_okt, stride_okh, stride_cos, stride_sin,
+        HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV_H: tl.constexpr,
+        BLOCK_HALF: tl.constexpr, APPLY_NORM: tl.constexpr,
+    ):
+        # One program rotates every q and k head of one token: the cos/sin row is read once.
+        token = tl.program_id(0).to(tl.int64)
+        pos = tl.load(positions_ptr + token).to(tl.int64)
+        d = tl.arange(0, BLOCK_HALF)[None, :]
+        dmask = d < HALF
+        dtype = q_ptr.dtype.element_ty
+        # The tables are cast to x's dtype first, as the torch module does.
+        cos_row = cos_ptr + pos * stride_cos
+        sin_row = sin_ptr + pos * stride_sin
+        c1 = tl.load(cos_row + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+        c2 = tl.load(cos_row + HALF + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+        s1 = tl.load(sin_row + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+        s2 = tl.load(sin_row + HALF + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+        _rotate_heads(
+            q_ptr + token * stride_qt, q_out_ptr + token * stride_oqt, q_weight_ptr,
+            stride_qh, stride_oqh, num_heads, c1, s1, c2, s2, inv_head_dim, eps,
+            HALF, BLOCK_H, BLOCK_HALF, APPLY_NORM,
+        )
+        _rotate_heads(
+            k_ptr + token * stride_kt, k_out_ptr + token * stride_okt, k_weight_ptr,
+            stride_kh, stride_okh, num_kv_heads, c1, s1, c2, s2, inv_head_dim, eps,
+            HALF, BLOCK_KV_H, BLOCK_HALF, APPLY_NORM,
+        )
+
+
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    assert triton is not None, "rotary kernels need triton; use rotary_ref"
+    assert q.dim() == 3 and k.dim() == 3, (q.shape, k.shape)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert k.shape == (num_tokens, num_kv_heads, head_dim), (q.shape, k.shape)
+    assert head_dim % 2 == 0, head_dim
+    assert q.stride(2) == 1 and k.stride(2) == 1, (q.stride(), k.stride())
+    assert q.dtype == k.dtype and q.device == k.device
+    assert cos.dim() == 2 and cos.shape == sin.shape and cos.shape[1] == head_dim, cos.shape
+    assert cos.stride(1) == 1 and sin.stride(1) == 1
+    assert cos.device == q.device and sin.device == q.device
+    assert positions.shape == (num_tokens,), positions.shape
+    assert positions.dtype in (torch.int32, torch.int64) and positions.device == q.device
+    apply_norm = q_weight is not None
+    if apply_norm:
+        assert q_weight.shape == (head_dim,) and k_weight.shape == (head_dim,)
+        assert q_weight.is_contiguous() and k_weight.is_contiguous()
+        assert q_weight.dtype == q.dtype and k_weight.dtype == q.dtype, q_weight.dtype
+    else:
+        q_weight = k_weight = q  # unread placeholders
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    half = head_dim // 2
+    _rotary_kernel[(num_tokens,)](
+        q, k, q_out, k_out, q_weight, k_weight,
+        cos, sin, positions, num_heads, num_kv_heads, 1.0 / head_dim, eps,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        cos.stride(0), sin.stride(0),
+        HALF=half, BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_KV_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(half), APPLY_NORM=apply_norm,
+        num_warps=4,
+        # Contracting x * cos + r * sin into an FMA would skip torch's fp32 product rounding.
+        enable_fp_fusion=False,
+    )
+    return q_out, k_out
+
+
+def apply_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim].
+
+    q/k may be strided views (e.g. of a packed qkv output) with head_dim innermost; cos/sin are
+    [max_position, head_dim] tables. Returns new contiguous tensors; q and k are not modified.
+    """
+    return _launch(q, k, None, None, 0.0, cos, sin, positions)
+
+
+def qk_norm_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head RMSNorm of q and k (weights [head_dim]) then RoPE, in one kernel.
+
+    Same layouts and return convention as apply_rotary.
+    """
+    return _launch(q, k, q_weight, k_weight, eps, cos, sin, positions)
