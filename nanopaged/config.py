@@ -143,6 +143,8 @@ class EngineConfig:
     # How a running group gives its blocks back when the cache is full: "recompute" frees
     # them (the group is recomputed later), "swap" moves them to a CPU pool of swap_space GiB.
     preemption_mode: str = "recompute"
+    # Plan step N+1 while step N runs on the device; None: on for CUDA.
+    async_scheduling: bool | None = None
     swap_space: float = 4.0
 
     def __post_init__(self) -> None:
@@ -170,6 +172,11 @@ class EngineConfig:
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise TypeError(
+                "async_scheduling must be True, False or None (on for CUDA), "
+                f"got {type(self.async_scheduling).__name__}"
+            )
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {', '.join(map(repr, PREEMPTION_MODES))}, "

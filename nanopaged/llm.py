@@ -79,6 +79,7 @@ class LLM:
         seed: int = 0,
         preemption_mode: str = "recompute",
         swap_space: float = 4.0,
+        async_scheduling: bool | None = None,
     ) -> None:
         self.config = EngineConfig(
             max_num_seqs=max_num_seqs,
@@ -92,9 +93,13 @@ class LLM:
             max_model_len=max_model_len,
             preemption_mode=preemption_mode,
             swap_space=swap_space,
+            async_scheduling=async_scheduling,
         )
         requested_dtype = parse_dtype(dtype)
         self.device = _resolve_device(device)
+        self.async_scheduling = (
+            self.device.type == "cuda" if async_scheduling is None else async_scheduling
+        )
         self.model_dir = _resolve_model_dir(model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         limit = self.model_config.max_position_embeddings
@@ -429,16 +434,31 @@ class LLM:
             self.block_manager.reset_peaks()
             for group in groups:
                 self.scheduler.add(group)
-            while self.scheduler.has_unfinished():
-                batch = self.scheduler.schedule()
-                if not batch.seqs:
-                    raise RuntimeError("the scheduler could not make progress")  # invariant
-                sampled = self.runner.run(batch, self.eos_token_ids)
+            in_flight = None  # a launched step planned before its predecessor's samples
+            while in_flight is not None or self.scheduler.has_unfinished():
+                if in_flight is None:
+                    batch = self.scheduler.schedule()
+                    if not batch.seqs:
+                        raise RuntimeError("the scheduler could not make progress")  # invariant
+                    handle = self.runner.launch(batch, self.eos_token_ids)
+                else:
+                    (batch, handle), in_flight = in_flight, None
                 num_new = batch.total_tokens
                 num_decode = sum(1 for n in batch.num_scheduled_tokens if n == 1)
                 decode_tokens += num_decode
                 prefill_tokens += num_new - num_decode
-                step = self.scheduler.postprocess(batch, sampled)
+                if self.async_scheduling and handle.plain and self.scheduler.can_look_ahead(batch):
+                    # Plan and launch the next step while this one runs on the device.
+                    self.scheduler.advance(batch)
+                    following = self.scheduler.schedule()
+                    if following.seqs:
+                        in_flight = (
+                            following,
+                            self.runner.launch(following, self.eos_token_ids, prev=handle),
+                        )
+                    step = self.scheduler.commit(batch, handle.result())
+                else:
+                    step = self.scheduler.postprocess(batch, handle.result())
                 stopped = self._check_stop_strings(step.grown)
                 done = len(step.finished_groups)
                 done += sum(1 for s in stopped if s.group is None or s.group.is_finished)

@@ -23,6 +23,42 @@ from nanopaged.models import build_model
 
 logger = logging.getLogger(__name__)
 
+
+class StepHandle:
+    """A launched step's samples: on the device, copying to the host, or already there."""
+
+    def __init__(self, outputs: list | None = None) -> None:
+        self.outputs = outputs
+        self.tokens: torch.Tensor | None = None  # [num_sampled] int64 on the device
+        self._host: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+
+    @classmethod
+    def copy_to_host(cls, tokens: torch.Tensor) -> StepHandle:
+        handle = cls()
+        handle.tokens = tokens
+        if tokens.is_cuda:
+            handle._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            handle._host.copy_(tokens, non_blocking=True)
+            handle._event = torch.cuda.Event()
+            handle._event.record()
+        else:
+            handle._host = tokens
+        return handle
+
+    @property
+    def plain(self) -> bool:
+        """Bare token ids (not SampleOutputs), kept on the device for the next step."""
+        return self.tokens is not None
+
+    def result(self) -> list[int] | list[SampleOutput]:
+        """The samples, waiting for the device if needed."""
+        if self.outputs is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self.outputs = self._host.tolist()
+        return self.outputs
+
 # KV budget on CPU when kv_cache_memory is not given.
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 
@@ -245,12 +281,22 @@ class ModelRunner:
                 if banned:
                     logits[i, banned] = float("-inf")
 
-    @torch.inference_mode()
     def run(
         self, batch: ScheduledBatch, eos_token_ids: set[int]
     ) -> list[int] | list[SampleOutput]:
         """Compute the batch's scheduled tokens; returns a token for each sequence that samples
         (a SampleOutput each when a fork, a beam, logprobs or penalties are involved)."""
+        return self.launch(batch, eos_token_ids).result()
+
+    @torch.inference_mode()
+    def launch(
+        self, batch: ScheduledBatch, eos_token_ids: set[int], prev: StepHandle | None = None
+    ) -> StepHandle:
+        """Queue the batch's forward pass and sampling on the device without waiting for them.
+
+        Sequences whose last token is a placeholder take it from `prev`'s sampled tokens on the
+        device (asynchronous scheduling).
+        """
         # Swaps and copy-on-write copies go before the forward (and outside any CUDA graph).
         run_block_ops(
             self.kv_cache,
@@ -267,22 +313,56 @@ class ModelRunner:
         host = self._host_arrays(batch.num_scheduled_tokens, starts, self._tables.build(seqs))
         sampling_rows = [i for i in range(len(seqs)) if batch.samples(i)]
         ids_np = np.asarray(input_ids, dtype=np.int64)
+        pending = self._pending_inputs(seqs, host["cu_seqlens_q"], prev)
+        if pending is not None:
+            ids_np[pending[0]] = 0  # placeholders: the real ids are copied in on the device
         if self.graphs is not None and len(ids_np) == len(seqs) and self.graphs.can_run(len(seqs)):
             hidden = self.graphs.run(
-                ids_np, host["positions"], host["slots"], host["tables"], host["context_lens"]
+                ids_np,
+                host["positions"],
+                host["slots"],
+                host["tables"],
+                host["context_lens"],
+                pending=self._pending_tensors(pending, prev),
             )
         else:
             positions, meta = self._device_metadata(host)
             ids = torch.from_numpy(ids_np).to(self.device, non_blocking=True)
+            if pending is not None:
+                dst, values = self._pending_tensors(pending, prev)
+                ids.index_copy_(0, dst, values)
             hidden = self.model(ids, positions, meta)
         if not sampling_rows:
-            return []
+            return StepHandle(outputs=[])
         last = np.cumsum(batch.num_scheduled_tokens) - 1
         logits_indices = torch.tensor(last[sampling_rows], device=self.device)
         logits = self.model.compute_logits(hidden[logits_indices]).float()
         sampled_seqs = [seqs[i] for i in sampling_rows]
         if needs_sample_outputs(sampled_seqs):
-            return sample_sequences(logits, sampled_seqs, eos_token_ids, self.generator)
+            outputs = sample_sequences(logits, sampled_seqs, eos_token_ids, self.generator)
+            return StepHandle(outputs=outputs)
         self._mask_early_stops(logits, sampled_seqs, eos_token_ids)
         tokens = sample(logits, self._sampling_tensors(sampled_seqs), self.generator)
-        return tokens.tolist()
+        return StepHandle.copy_to_host(tokens)
+
+    @staticmethod
+    def _pending_inputs(
+        seqs: list[Sequence], cu_seqlens_q: np.ndarray, prev: StepHandle | None
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """(input positions, rows of prev's samples) of the placeholder tokens, if any."""
+        rows = [(int(cu_seqlens_q[i + 1]) - 1, s.pending_row) for i, s in enumerate(seqs)
+                if s.pending_row is not None]  # fmt: skip
+        if not rows:
+            return None
+        assert prev is not None and prev.tokens is not None
+        dst, src = np.asarray(rows, dtype=np.int64).T
+        return dst, src
+
+    def _pending_tensors(
+        self, pending: tuple[np.ndarray, np.ndarray] | None, prev: StepHandle | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if pending is None:
+            return None
+        dst = torch.from_numpy(pending[0]).to(self.device, non_blocking=True)
+        src = torch.from_numpy(pending[1]).to(self.device, non_blocking=True)
+        return dst, prev.tokens.index_select(0, src)

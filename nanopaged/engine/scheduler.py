@@ -12,6 +12,9 @@ from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.sample_output import SampleOutput
 from nanopaged.engine.sequence import Sequence, SequenceStatus
 
+# Stands for a sampled token that is still on the device (asynchronous scheduling).
+PLACEHOLDER_TOKEN = -1
+
 
 @dataclass
 class ScheduledBatch:
@@ -79,6 +82,7 @@ class Scheduler:
         self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = 0
         self.num_swap_outs = 0
+        self.num_advanced_steps = 0  # steps whose successor was planned before their samples
 
     def add(self, item: Sequence | SequenceGroup) -> SequenceGroup:
         """Queue a request; a bare Sequence becomes a group of one."""
@@ -246,6 +250,10 @@ class Scheduler:
         beam_results: dict[int, list[tuple[Sequence, SampleOutput]]] = {}
         for i, seq in enumerate(batch.seqs):
             samples = batch.samples(i)
+            if seq.is_finished:  # ended while this step was in flight: drop its sample
+                if samples:
+                    next(outputs)
+                continue
             seq.num_computed_tokens += batch.num_scheduled_tokens[i]
             bm.cache_full_blocks(seq)
             if not samples:
@@ -264,12 +272,7 @@ class Scheduler:
                 _append(seq, out, 0)
             for s in grown:
                 step.grown.append(s)
-                reason = self._stop_reason(s, s.token_ids[-1])
-                if reason is not None:
-                    self.finish(s, *reason)
-                    step.finished.append(s)
-                    if s.group is not None and s.group.is_finished:
-                        step.finished_groups.append(s.group)
+                self._finish_if_stopped(s, step)
         for results in beam_results.values():
             group = results[0][0].group
             live = beam_search_step(group, results, self.eos_token_ids, bm)
@@ -285,6 +288,69 @@ class Scheduler:
                 self.running.remove(group)
                 step.finished_groups.append(group)
         return step
+
+    # ---- asynchronous scheduling: plan step N+1 while step N's samples are on the device ----
+    def can_look_ahead(self, batch: ScheduledBatch) -> bool:
+        """Whether the step after `batch` can be scheduled before its samples are known.
+
+        Only plain steps qualify: every running sequence is in the batch and samples one token
+        (single-sample groups, no stop strings), nothing is swapped out, and the free blocks
+        cover every sequence's next token, so scheduling it cannot preempt anything.
+        """
+        if self.swapped or len(batch.seqs) != self.num_running_seqs:
+            return False
+        bm = self.block_manager
+        need = 0
+        for i, seq in enumerate(batch.seqs):
+            group = seq.group
+            if (
+                not batch.samples(i)
+                or seq.sampling_params.stop
+                or (group is not None and (group.is_beam_search or group.num_samples > 1))
+            ):
+                return False
+            need += bm.num_blocks_for(len(seq) + 1) > len(seq.block_table)
+        return need <= bm.num_free_blocks
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Account for a launched step whose samples are still on the device: each sampling
+        sequence gets a placeholder token, resolved by `commit`."""
+        bm = self.block_manager
+        self.num_advanced_steps += 1
+        row = 0
+        for i, seq in enumerate(batch.seqs):
+            samples = batch.samples(i)
+            if seq.is_finished:  # ended while this step was in flight
+                row += samples
+                continue
+            seq.num_computed_tokens += batch.num_scheduled_tokens[i]
+            bm.cache_full_blocks(seq)
+            if samples:
+                seq.token_ids.append(PLACEHOLDER_TOKEN)
+                seq.pending_row = row
+                row += 1
+
+    def commit(self, batch: ScheduledBatch, sampled: list[int]) -> StepOutput:
+        """Put an advanced step's sampled tokens in place of the placeholders; finish sequences
+        that stop. A sequence that already finished drops its token."""
+        step = StepOutput()
+        for seq in batch.seqs:
+            if seq.pending_row is None:
+                continue
+            token = sampled[seq.pending_row]
+            seq.pending_row = None
+            seq.token_ids[-1] = token
+            step.grown.append(seq)
+            self._finish_if_stopped(seq, step)
+        return step
+
+    def _finish_if_stopped(self, seq: Sequence, step: StepOutput) -> None:
+        reason = self._stop_reason(seq, seq.token_ids[-1])
+        if reason is not None:
+            self.finish(seq, *reason)
+            step.finished.append(seq)
+            if seq.group is not None and seq.group.is_finished:
+                step.finished_groups.append(seq.group)
 
     def _fork_samples(self, parent: Sequence, out: SampleOutput) -> list[Sequence]:
         """The prompt's first sampling step: parent becomes sample 0, children 1..n-1."""

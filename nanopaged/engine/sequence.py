@@ -56,6 +56,9 @@ class Sequence:
         # Sum of the sampled tokens' logprobs, and per token the top logprobs (when asked).
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] = []
+        # Set while the last token is a placeholder for a sample still on the device: its row
+        # in that step's sampled tokens (asynchronous scheduling).
+        self.pending_row: int | None = None
 
     def fork(self) -> Sequence:
         """A copy with a new seq_id sharing nothing mutable; the BlockManager shares the KV."""

@@ -28,18 +28,20 @@ def qwen3(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("qwen3"), "qwen3", **SHAPE)
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
 @pytest.mark.parametrize("enforce_eager", [True, False])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_fp32_greedy_matches_hf(qwen3, enforce_eager, block_size):
+def test_fp32_greedy_matches_hf(qwen3, enforce_eager, block_size, async_scheduling):
     prompts = _prompts(12, seed=block_size)
     expected = hf_greedy(qwen3, prompts, 32)
     llm = LLM(str(qwen3), dtype="float32", device="cuda", block_size=block_size,
               max_num_batched_tokens=512, enforce_eager=enforce_eager, max_num_seqs=32,
-              kv_cache_memory=1 << 28)  # fmt: skip
+              kv_cache_memory=1 << 28, async_scheduling=async_scheduling)  # fmt: skip
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
                         use_tqdm=False)  # fmt: skip
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    assert (llm.scheduler.num_advanced_steps > 0) == async_scheduling
 
 
 @pytest.mark.parametrize("num_prompts", [3, 5, 13, 17, 33, 47])
