@@ -49,6 +49,8 @@ def paged_decode_ref(
     past_end = pos[None, None, :] >= context_lens.to(q.device)[:, None, None]
     scores.masked_fill_(past_end, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    # Slots past the context hold whatever was there (even NaN): 0 * NaN would leak into out.
+    v = v.masked_fill(past_end[:, 0, :, None, None], 0.0)
     return torch.einsum("bht,bthd->bhd", probs, v).to(q.dtype)
 
 
