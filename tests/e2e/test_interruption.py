@@ -1,0 +1,237 @@
+"""An exception or a KeyboardInterrupt anywhere inside generate leaves no block held, no request
+queued, and an LLM that answers exactly like a fresh one afterwards.
+
+Faults are injected at each stage of a step (scheduling/allocation, the forward pass between
+two layers, sampling, postprocessing, stop-string detokenization) after a few calls, so they
+land mid-run with sequences waiting, running, chunk-prefilled, forked, preempted and swapped;
+a timer thread also interrupts the main thread at arbitrary moments, like Ctrl-C in a notebook.
+"""
+
+from __future__ import annotations
+
+import _thread
+import threading
+import time
+
+import pytest
+from tiny_models import add_byte_tokenizer, make_tiny_model
+
+from nanopaged import LLM, SamplingParams
+from nanopaged.engine import model_runner
+
+# Tight enough that prefills are chunked and sequences get preempted.
+ENGINE = dict(kv_cache_memory=24 * 8192, max_model_len=128, max_num_batched_tokens=48)
+PROMPTS = [[(7 * i + j) % 500 + 1 for j in range(18 + 5 * i)] for i in range(6)] + [
+    "the quick brown fox",
+    "the quick brown fox jumps",  # shares a prefix with the previous one
+]
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=20, ignore_eos=True),
+    SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True),
+    SamplingParams(temperature=0.7, top_k=40, seed=3, max_tokens=20, logprobs=2),
+    SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, min_tokens=4),
+    SamplingParams(temperature=0, max_tokens=24, stop=["zz", "q"], ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0.5, seed=9, max_tokens=12, repetition_penalty=1.2),
+]
+
+
+class Injected(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
+    add_byte_tokenizer(path)
+    return path
+
+
+class Logprobs:
+    """Logprobs that compare equal up to fp32 rounding: a prompt read from the prefix cache
+    was computed in other chunks than a recomputed one, so its logits differ in the last bits."""
+
+    def __init__(self, steps: list[dict[int, float]] | None) -> None:
+        self.steps = steps
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Logprobs) or (self.steps is None) != (other.steps is None):
+            return False
+        return self.steps is None or (
+            [list(d) for d in self.steps] == [list(d) for d in other.steps]
+            and all(
+                v == pytest.approx(other_d[t], rel=1e-4, abs=1e-5)
+                for d, other_d in zip(self.steps, other.steps)
+                for t, v in d.items()
+            )
+        )
+
+    def __repr__(self) -> str:
+        return f"Logprobs({self.steps})"
+
+
+def _results(llm: LLM):
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    return [
+        [(c.token_ids, c.text, c.finish_reason, Logprobs(c.logprobs)) for c in o.outputs]
+        for o in outs
+    ]
+
+
+def _llm(model_dir, **engine) -> LLM:
+    """An LLM whose KV cache starts as NaN: reading a slot no step wrote poisons the output."""
+    llm = LLM(str(model_dir), **ENGINE, **engine)
+    llm.runner.kv_cache.fill_(float("nan"))
+    return llm
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    fresh = LLM(str(model_dir), **ENGINE)
+    fresh.runner.kv_cache.zero_()
+    first = _results(fresh)
+    assert fresh.scheduler.num_preemptions > 0  # the workload really preempts
+    return first
+
+
+def test_unwritten_kv_slots_are_never_read(model_dir, expected):
+    # torch.empty memory may hold NaN; a slot past a sequence's context must not leak into it.
+    assert _results(_llm(model_dir)) == expected
+
+
+def _assert_clean(llm: LLM) -> None:
+    assert not llm.scheduler.has_unfinished()
+    bm = llm.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not any(bm.ref_counts) and bm.num_shared_blocks == 0
+    assert bm.cpu_pool.num_free_blocks == bm.cpu_pool.num_blocks
+    assert not any(bm.cpu_pool.ref_counts)
+    for h, b in bm.hash_to_block.items():  # what stays cached is still consistent
+        assert bm.block_hashes[b] == h
+
+
+def _fail_on_call(k: int, exc: type[BaseException], fn, after: bool = False):
+    """fn, except that its k-th call raises exc (before running, or after when `after`)."""
+    calls = [0]
+
+    def wrapper(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == k and not after:
+            raise exc("injected")
+        out = fn(*args, **kwargs)
+        if calls[0] == k and after:
+            raise exc("injected")
+        return out
+
+    wrapper.calls = calls
+    return wrapper
+
+
+def _inject(llm: LLM, monkeypatch, where: str, k: int, exc: type[BaseException]):
+    """Arrange for exc to be raised at the k-th call of the stage `where`; returns the counter."""
+    if where == "sampler":  # both the plain sampler and the one for forks/logprobs/penalties
+        calls = [0]
+        for name in ("sample", "sample_sequences"):
+            real = getattr(model_runner, name)
+
+            def wrapper(*args, _real=real, **kwargs):
+                calls[0] += 1
+                if calls[0] == k:
+                    raise exc("injected")
+                return _real(*args, **kwargs)
+
+            monkeypatch.setattr(model_runner, name, wrapper)
+        return calls
+    if where == "forward":  # between the two decoder layers: layer 0 has written its KV
+        layer = llm.runner.model.model.layers[1]
+        wrapper = _fail_on_call(k, exc, layer.forward)
+        monkeypatch.setattr(layer, "forward", wrapper)
+    elif where == "allocate":  # a group got its blocks but is not running yet
+        wrapper = _fail_on_call(k, exc, llm.block_manager.allocate, after=True)
+        monkeypatch.setattr(llm.block_manager, "allocate", wrapper)
+    elif where == "take_block":  # inside allocate/append_slots, half done
+        wrapper = _fail_on_call(k, exc, llm.block_manager._take_free_block)
+        monkeypatch.setattr(llm.block_manager, "_take_free_block", wrapper)
+    elif where == "postprocess":  # tokens appended, blocks cached, some sequences finished
+        wrapper = _fail_on_call(k, exc, llm.scheduler.postprocess, after=True)
+        monkeypatch.setattr(llm.scheduler, "postprocess", wrapper)
+    elif where == "stop_strings":
+        wrapper = _fail_on_call(k, exc, llm.tokenizer.decode)
+        monkeypatch.setattr(llm.tokenizer, "decode", wrapper)
+    else:
+        raise AssertionError(where)
+    return wrapper.calls
+
+
+@pytest.mark.parametrize("exc", [Injected, KeyboardInterrupt])
+@pytest.mark.parametrize(
+    "where, k",
+    [
+        ("sampler", 1),
+        ("sampler", 6),
+        ("sampler", 15),
+        ("forward", 3),
+        ("forward", 12),
+        ("allocate", 2),
+        ("allocate", 9),
+        ("take_block", 4),  # these three land inside allocate, with part of a table taken
+        ("take_block", 13),
+        ("take_block", 27),
+        ("postprocess", 4),
+        ("postprocess", 11),
+        ("stop_strings", 3),
+    ],
+)
+def test_fault_inside_a_step(model_dir, expected, monkeypatch, where, k, exc):
+    llm = _llm(model_dir)
+    with monkeypatch.context() as m:
+        calls = _inject(llm, m, where, k, exc)
+        with pytest.raises(exc, match="injected"):
+            llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        assert calls[0] == k
+    _assert_clean(llm)
+    assert _results(llm) == expected
+    _assert_clean(llm)
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [dict(preemption_mode="swap", swap_space=0.01), dict(async_scheduling=True)],
+    ids=["swap", "async"],
+)
+@pytest.mark.parametrize("where, k", [("sampler", 7), ("forward", 10), ("postprocess", 6)])
+def test_fault_with_swap_or_async_scheduling(model_dir, expected, monkeypatch, engine, where, k):
+    llm = _llm(model_dir, **engine)
+    assert _results(llm) == expected
+    with monkeypatch.context() as m:
+        _inject(llm, m, where, k, KeyboardInterrupt)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    _assert_clean(llm)
+    assert _results(llm) == expected
+
+
+def test_ctrl_c_at_arbitrary_moments(model_dir, expected):
+    """A real asynchronous KeyboardInterrupt, as Ctrl-C delivers it, at spread-out times."""
+    llm = _llm(model_dir)
+    t0 = time.perf_counter()
+    assert _results(llm) == expected
+    duration = time.perf_counter() - t0
+    interrupted = 0
+    for fraction in (0.01, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9):
+        timer = threading.Timer(duration * fraction, _thread.interrupt_main)
+        timer.start()
+        try:
+            llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+            timer.join()  # finished first: the interrupt lands here instead
+            for _ in range(10_000):
+                pass
+        except KeyboardInterrupt:
+            interrupted += 1
+        finally:
+            timer.cancel()
+            timer.join()
+        _assert_clean(llm)
+    assert interrupted >= 4
+    assert _results(llm) == expected
