@@ -335,7 +335,8 @@ class ModelRunner:
         if not sampling_rows:
             return StepHandle(outputs=[])
         last = np.cumsum(batch.num_scheduled_tokens) - 1
-        logits_indices = torch.tensor(last[sampling_rows], device=self.device)
+        # A plain torch.tensor(..., device=cuda) would wait for the device: copy asynchronously.
+        logits_indices = torch.from_numpy(last[sampling_rows]).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[logits_indices]).float()
         sampled_seqs = [seqs[i] for i in sampling_rows]
         if needs_sample_outputs(sampled_seqs):
