@@ -113,12 +113,19 @@ def beam_model(tmp_path_factory, hf_model):
 BEAM_PROMPTS = _prompts([13, 5], seed=4)
 
 
-@pytest.mark.parametrize("length_penalty, ignore_eos", [(1.0, False), (0.5, True)])
-def test_beam_search_equals_reference(beam_model, hf_model, length_penalty, ignore_eos):
+@pytest.mark.parametrize(
+    "length_penalty, ignore_eos, device",
+    [
+        (1.0, False, "cpu"),
+        (0.5, True, "cpu"),
+        pytest.param(1.0, False, "cuda", marks=pytest.mark.gpu),
+    ],
+)
+def test_beam_search_equals_reference(beam_model, hf_model, length_penalty, ignore_eos, device):
     path, eos = beam_model
     params = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=ignore_eos,
                               length_penalty=length_penalty)  # fmt: skip
-    llm = LLM(str(path), kv_cache_memory=1 << 22, block_size=8)
+    llm = LLM(str(path), kv_cache_memory=1 << 22, block_size=8, device=device, dtype="float32")
     outs = llm.beam_search(BEAM_PROMPTS, params, use_tqdm=False)
     # The peak is reached while it runs: forked beams hold the prompt's blocks together.
     assert llm.kv_stats().peak_shared_blocks > 0
