@@ -157,10 +157,11 @@ class BlockManager:
         filled), seq gets a fresh copy of it instead (copy-on-write) and the (src, dst) pair is
         appended to blocks_to_copy, for the runner to copy before the step's forward pass.
         """
-        num_fresh = self.blocks_needed([(seq, num_new_tokens)])
+        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+        shared = self._shared_write_block(seq, num_new_tokens)
+        num_fresh = max(0, needed - len(seq.block_table)) + (shared is not None)
         if num_fresh > self.num_free_blocks:
             return False
-        shared = self._shared_write_block(seq, num_new_tokens)
         if shared is not None:
             assert blocks_to_copy is not None, "a shared block is written: pass blocks_to_copy"
             assert self.block_hashes[seq.block_table[shared]] is None  # cached blocks are full
@@ -169,7 +170,6 @@ class BlockManager:
             self._decref(src)  # others still hold it: ref count stays >= 1
             seq.block_table[shared] = dst
             blocks_to_copy.append((src, dst))
-        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
         for _ in range(needed - len(seq.block_table)):
             seq.block_table.append(self._take_free_block())
         return True

@@ -151,11 +151,22 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             group = self.running[i]
-            seqs = group.seqs_with_status(SequenceStatus.RUNNING)
-            counts = self._plan([len(s) - s.num_computed_tokens for s in seqs], budget)
-            work = [(s, n) for s, n in zip(seqs, counts) if n > 0]
-            if not work:
-                break
+            if len(group.seqs) == 1:  # the common case, kept cheap: one running sequence
+                seq = group.seqs[0]
+                n = min(len(seq) - seq.num_computed_tokens, budget)
+                if bm.append_slots(seq, n, batch.blocks_to_copy):
+                    batch.seqs.append(seq)
+                    batch.num_scheduled_tokens.append(n)
+                    budget -= n
+                    i += 1
+                    continue
+                work = [(seq, n)]
+            else:
+                seqs = group.seqs_with_status(SequenceStatus.RUNNING)
+                counts = self._plan([len(s) - s.num_computed_tokens for s in seqs], budget)
+                work = [(s, n) for s, n in zip(seqs, counts) if n > 0]
+                if not work:
+                    break
             while bm.blocks_needed(work) > bm.num_free_blocks:
                 victim = self.running.pop()
                 self._preempt(victim, batch)
@@ -259,8 +270,11 @@ class Scheduler:
             if not samples:
                 continue
             out = next(outputs)
-            if not isinstance(out, SampleOutput):
-                out = SampleOutput([out])
+            if not isinstance(out, SampleOutput):  # a plain token id
+                seq.token_ids.append(out)
+                step.grown.append(seq)
+                self._finish_if_stopped(seq, step)
+                continue
             group = seq.group
             if group is not None and group.is_beam_search:
                 beam_results.setdefault(id(group), []).append((seq, out))
