@@ -460,8 +460,11 @@ class LLM:
                 else:
                     step = self.scheduler.postprocess(batch, handle.result())
                 stopped = self._check_stop_strings(step.grown)
-                done = len(step.finished_groups)
-                done += sum(1 for s in stopped if s.group is None or s.group.is_finished)
+                # Two samples of one request can both stop here: count each request once.
+                done = len(
+                    {id(g) for g in step.finished_groups}
+                    | {id(s.group) for s in stopped if s.group.is_finished}
+                )
                 if done:
                     bar.update(done)
                 if use_tqdm:
