@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 import transformers
-from tiny_models import make_tiny_model
+from tiny_models import add_byte_tokenizer, make_tiny_model
 
 from nanopaged import LLM, BeamSearchParams, SamplingParams
 
@@ -54,6 +54,26 @@ def test_parallel_samples_differ_and_reproduce(llama):
     # Sample 0 is what n = 1 with the same seed draws.
     single = llm.generate([prompt], replace(p, n=1), use_tqdm=False)[0]
     assert single.outputs[0].token_ids == samples[0]
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def test_each_sample_stops_on_its_own(tmp_path):
+    """Stop strings and EOS end one sample of a group; its siblings run on."""
+    path = make_tiny_model(tmp_path / "llama", "llama")
+    add_byte_tokenizer(path)
+    llm = LLM(str(path), kv_cache_memory=1 << 22, block_size=8)
+    p = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
+    full = llm.generate("hello", p, use_tqdm=False)[0].outputs
+    stop = full[1].text[6:8]
+    stopped = llm.generate("hello", replace(p, stop=[stop]), use_tqdm=False)[0].outputs
+    for f, c in zip(full, stopped):
+        cut = f.text.find(stop)
+        if cut < 0:
+            assert (c.text, c.finish_reason) == (f.text, "length")
+        else:
+            assert c.text == f.text[:cut] and c.finish_reason == "stop"
+            assert c.token_ids == f.token_ids[: len(c.token_ids)]
+    assert stopped[1].finish_reason == "stop"
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
