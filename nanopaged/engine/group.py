@@ -45,6 +45,19 @@ class SequenceGroup:
         self.forked = self.num_samples == 1
         self.completed_beams: list[BeamHypothesis] = []
         self.beams_done = False
+        self._update_needs_sample_outputs()
+
+    def _update_needs_sample_outputs(self) -> None:
+        # Read by the runner every step for every row, so kept as a plain attribute.
+        p = self.sampling_params
+        self.needs_sample_outputs = (
+            self.is_beam_search or not self.forked or p.logprobs is not None or p.has_penalties
+        )
+
+    def mark_forked(self) -> None:
+        """The prompt's first sampling step has forked it into num_samples sequences."""
+        self.forked = True
+        self._update_needs_sample_outputs()
 
     @property
     def is_beam_search(self) -> bool:

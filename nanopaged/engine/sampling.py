@@ -17,10 +17,10 @@ def needs_sample_outputs(seqs: list[Sequence]) -> bool:
     """Whether any of seqs needs this module rather than one plain token per row."""
     for seq in seqs:
         group = seq.group
-        if group is not None and (group.is_beam_search or not group.forked):
-            return True
-        p = seq.sampling_params
-        if p.logprobs is not None or p.has_penalties:
+        if group is not None:
+            if group.needs_sample_outputs:
+                return True
+        elif seq.sampling_params.logprobs is not None or seq.sampling_params.has_penalties:
             return True
     return False
 

@@ -369,7 +369,7 @@ class Scheduler:
     def _fork_samples(self, parent: Sequence, out: SampleOutput) -> list[Sequence]:
         """The prompt's first sampling step: parent becomes sample 0, children 1..n-1."""
         group = parent.group
-        group.forked = True
+        group.mark_forked()
         children = []
         for j in range(1, len(out.token_ids)):
             child = parent.fork()
