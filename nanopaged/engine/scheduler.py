@@ -213,29 +213,31 @@ class Scheduler:
             group = self.waiting[0]
             if not self._has_room(group):
                 break
-            if not self._admit(group, budget, batch):
+            num_tokens = self._admit(group, budget, batch)
+            if num_tokens is None:
                 break
             self.waiting.popleft()
             self.running.append(group)
-            budget = self.max_num_batched_tokens - batch.total_tokens
+            budget -= num_tokens
         return batch
 
-    def _admit(self, group: SequenceGroup, budget: int, batch: ScheduledBatch) -> bool:
-        """Allocate blocks for every waiting sequence of group (all or none) and schedule them."""
+    def _admit(self, group: SequenceGroup, budget: int, batch: ScheduledBatch) -> int | None:
+        """Allocate blocks for every waiting sequence of group (all or none) and schedule them;
+        returns the tokens scheduled, or None when the group does not fit."""
         bm = self.block_manager
         seqs = group.seqs_with_status(SequenceStatus.WAITING)
         cached = [bm.get_computed_blocks(s) for s in seqs]
         remaining = [len(s) - len(c) * bm.block_size for s, c in zip(seqs, cached)]
         counts = self._plan(remaining, budget)
         if sum(counts) == 0:
-            return False
+            return None
         done: list[Sequence] = []
         for seq, blocks, n in zip(seqs, cached, counts):
             if not bm.allocate(seq, blocks, n):
                 for d in done:  # roll back: the group runs whole or not at all
                     bm.free(d)
                     d.num_computed_tokens = 0
-                return False
+                return None
             done.append(seq)
         for seq, n in zip(seqs, counts):
             if seq.num_preemptions == 0:
@@ -244,7 +246,7 @@ class Scheduler:
             if n > 0:
                 batch.seqs.append(seq)
                 batch.num_scheduled_tokens.append(n)
-        return True
+        return sum(counts)
 
     def postprocess(
         self, batch: ScheduledBatch, sampled: list[int] | list[SampleOutput]
