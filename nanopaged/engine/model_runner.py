@@ -12,7 +12,7 @@ from nanopaged.config import EngineConfig, ModelConfig
 from nanopaged.engine.block_tables import BlockTableBuilder
 from nanopaged.engine.cuda_graph import DecodeGraphs
 from nanopaged.engine.sample_output import SampleOutput
-from nanopaged.engine.sampling import needs_sample_outputs, sample_sequences
+from nanopaged.engine.sampling import mask_early_stops, needs_sample_outputs, sample_sequences
 from nanopaged.engine.scheduler import ScheduledBatch
 from nanopaged.engine.sequence import Sequence
 from nanopaged.engine.swap import allocate_cpu_kv_cache, run_block_ops
@@ -272,15 +272,6 @@ class ModelRunner:
         self._sampling_cache = (key, st)
         return st
 
-    def _mask_early_stops(self, logits: torch.Tensor, seqs: list[Sequence], eos: set[int]):
-        """Forbid EOS and stop tokens to sequences that have not reached min_tokens."""
-        for i, seq in enumerate(seqs):
-            p = seq.sampling_params
-            if seq.num_output_tokens < p.min_tokens:
-                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
-                if banned:
-                    logits[i, banned] = float("-inf")
-
     def run(
         self, batch: ScheduledBatch, eos_token_ids: set[int]
     ) -> list[int] | list[SampleOutput]:
@@ -342,7 +333,7 @@ class ModelRunner:
         if needs_sample_outputs(sampled_seqs):
             outputs = sample_sequences(logits, sampled_seqs, eos_token_ids, self.generator)
             return StepHandle(outputs=outputs)
-        self._mask_early_stops(logits, sampled_seqs, eos_token_ids)
+        mask_early_stops(logits, sampled_seqs, eos_token_ids)
         tokens = sample(logits, self._sampling_tensors(sampled_seqs), self.generator)
         return StepHandle.copy_to_host(tokens)
 
