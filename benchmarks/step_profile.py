@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     s, runner = llm.scheduler, llm.runner
     for _ in range(args.batch):
         s.add(Sequence([random.randint(0, 10000) for _ in range(args.context)], params))
-    while s.waiting or any(q.num_computed_tokens < len(q) - 1 for q in s.running):
+    while s.waiting or any(q.num_computed_tokens < len(q) - 1 for g in s.running for q in g.seqs):
         b = s.schedule()
         s.postprocess(b, runner.run(b, llm.eos_token_ids))
 
