@@ -313,11 +313,14 @@ class Scheduler:
         (single-sample groups, no stop strings), nothing is swapped out, and the free blocks
         cover every sequence's next token, so scheduling it cannot preempt anything.
         """
-        if self.swapped or len(batch.seqs) != self.num_running_seqs:
+        if self.swapped:
             return False
         bm = self.block_manager
-        need = 0
+        need = live = 0
         for i, seq in enumerate(batch.seqs):
+            if seq.is_finished:  # stopped while this step was in flight; its sample is dropped
+                continue
+            live += 1
             group = seq.group
             if (
                 not batch.samples(i)
@@ -326,7 +329,7 @@ class Scheduler:
             ):
                 return False
             need += bm.num_blocks_for(len(seq) + 1) > len(seq.block_table)
-        return need <= bm.num_free_blocks
+        return live == self.num_running_seqs and need <= bm.num_free_blocks
 
     def advance(self, batch: ScheduledBatch) -> None:
         """Account for a launched step whose samples are still on the device: each sampling
