@@ -49,12 +49,7 @@ class ModelConfig:
         path = model_dir / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model directory {model_dir}")
-        try:
-            cfg = json.loads(path.read_text())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from e
-        if not isinstance(cfg, dict):
-            raise ValueError(f"{path} must hold a JSON object, got {type(cfg).__name__}")
+        cfg = _read_json_object(path)
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -77,11 +72,13 @@ class ModelConfig:
         scaling.pop("rope_theta", None)
         if scaling.get("rope_type", "default") == "default":
             scaling = None
-        eos = cfg.get("eos_token_id")
+        vocab_size = cfg["vocab_size"]
+        eos_ids = _eos_ids(cfg.get("eos_token_id"), path, vocab_size)
         gen_path = model_dir / "generation_config.json"
         if gen_path.is_file():
-            eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
-        eos_ids = tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+            gen = _read_json_object(gen_path)
+            if "eos_token_id" in gen:
+                eos_ids = _eos_ids(gen["eos_token_id"], gen_path, vocab_size)
         dtype_name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
         return cls(
             architecture=arch,
@@ -103,6 +100,31 @@ class ModelConfig:
             dtype=_DTYPES.get(dtype_name, torch.float32),
             eos_token_ids=eos_ids,
         )
+
+
+def _read_json_object(path: Path) -> dict:
+    try:
+        obj = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _eos_ids(value: object, path: Path, vocab_size: int) -> tuple[int, ...]:
+    """eos_token_id of a config file (null, an id or a list of ids), each inside the vocabulary."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise ValueError(
+                f"eos_token_id in {path} must be null, an int or a list of ints, got {value!r}"
+            )
+        if not 0 <= t < vocab_size:
+            raise ValueError(
+                f"eos_token_id {t} in {path} is outside the vocabulary [0, {vocab_size})"
+            )
+    return tuple(ids)
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype | None:

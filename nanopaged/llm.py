@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from nanopaged.config import EngineConfig, ModelConfig, parse_dtype
 from nanopaged.engine.block_manager import BlockManager, KVStats
 from nanopaged.engine.group import SequenceGroup
-from nanopaged.engine.model_runner import ModelRunner
+from nanopaged.engine.model_runner import ModelRunner, kv_bytes_per_block
 from nanopaged.engine.sampling import sample_generator
 from nanopaged.engine.scheduler import Scheduler
 from nanopaged.engine.sequence import Sequence, SequenceStatus
@@ -52,6 +52,30 @@ def _resolve_device(device: str | torch.device) -> torch.device:
             f"{torch.cuda.device_count()} CUDA device(s)"
         )
     return dev
+
+
+class _StepRates:
+    """Prefill and decode throughput, each over the time of the steps that did that kind of
+    work (a step's time: from the previous step's samples to its own)."""
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+        self.tokens = {"prefill": 0, "decode": 0}
+        self.seconds = {"prefill": 0.0, "decode": 0.0}
+
+    def add(self, num_prefill: int, num_decode: int) -> None:
+        now = time.perf_counter()
+        dt, self.last = now - self.last, now
+        for kind, n in (("prefill", num_prefill), ("decode", num_decode)):
+            if n:
+                self.tokens[kind] += n
+                self.seconds[kind] += dt
+
+    def describe(self) -> str:
+        return ", ".join(
+            f"{kind} {self.tokens[kind] / max(self.seconds[kind], 1e-9):.0f} tok/s"
+            for kind in ("prefill", "decode")
+        )
 
 
 class LLM:
@@ -122,6 +146,25 @@ class LLM:
                 f"got {type(tokenizer).__name__}"
             )
         self.tokenizer = self._load_tokenizer(Path(tokenizer) if tokenizer else self.model_dir)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        tok_eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
+        if tok_eos is not None:
+            vocab = self.model_config.vocab_size
+            if not 0 <= tok_eos < vocab:
+                raise ValueError(
+                    f"the tokenizer's eos_token_id {tok_eos} is outside the model's vocabulary "
+                    f"[0, {vocab}): the tokenizer does not belong to this model"
+                )
+            self.eos_token_ids.add(tok_eos)
+        num_cpu_blocks = 0
+        if self.config.preemption_mode == "swap":
+            per_block = kv_bytes_per_block(self.model_config, block_size, self.dtype)
+            num_cpu_blocks = int(self.config.swap_space * 2**30) // per_block
+            if num_cpu_blocks == 0:
+                raise ValueError(
+                    f"swap_space={swap_space} GiB holds no KV block ({per_block} bytes each); "
+                    "raise swap_space"
+                )
         self.runner = ModelRunner(
             self.model_dir,
             self.model_config,
@@ -130,23 +173,12 @@ class LLM:
             self.device,
             self.dtype,
         )
-        num_cpu_blocks = 0
-        if self.config.preemption_mode == "swap":
-            per_block = self.runner.kv_bytes_per_block
-            num_cpu_blocks = int(self.config.swap_space * 2**30) // per_block
-            if num_cpu_blocks == 0:
-                raise ValueError(
-                    f"swap_space={swap_space} GiB holds no KV block ({per_block} bytes each); "
-                    "raise swap_space"
-                )
+        if num_cpu_blocks:
             self.runner.allocate_swap_space(num_cpu_blocks)
         self.block_manager = BlockManager(
             self.runner.num_blocks, block_size, self.config.enable_prefix_caching, num_cpu_blocks
         )
-        eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = eos
+        eos = self.eos_token_ids
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs,
@@ -358,10 +390,12 @@ class LLM:
         bm = self.block_manager
         need = width * bm.num_blocks_for(min(prompt_len + max_tokens, self.max_model_len))
         if need > bm.num_blocks:
+            knobs = "kv_cache_memory"
+            if self.device.type == "cuda":
+                knobs += " or gpu_memory_utilization"
             raise ValueError(
                 f"prompts[{index}]: {what} may need {need} KV blocks, more than the cache's "
-                f"{bm.num_blocks}; raise kv_cache_memory or gpu_memory_utilization, or lower "
-                "max_tokens"
+                f"{bm.num_blocks}; raise {knobs}, or lower max_tokens"
             )
 
     def beam_search(
@@ -428,8 +462,7 @@ class LLM:
 
     def _run(self, groups: list[SequenceGroup], use_tqdm: bool) -> None:
         bar = tqdm(total=len(groups), desc="Processed prompts", disable=not use_tqdm, leave=True)
-        prefill_tokens = decode_tokens = 0
-        t0 = time.perf_counter()
+        rates = _StepRates()
         try:
             self.block_manager.reset_peaks()
             for group in groups:
@@ -443,10 +476,14 @@ class LLM:
                     handle = self.runner.launch(batch, self.eos_token_ids)
                 else:
                     (batch, handle), in_flight = in_flight, None
-                num_new = batch.total_tokens
-                num_decode = sum(1 for n in batch.num_scheduled_tokens if n == 1)
-                decode_tokens += num_decode
-                prefill_tokens += num_new - num_decode
+                # A decode row computes the last sampled token; prompts are prefill, however short.
+                num_decode = sum(
+                    1
+                    for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)
+                    if n == 1 and seq.num_output_tokens > 0
+                    and seq.num_computed_tokens == len(seq) - 1
+                )
+                num_prefill = batch.total_tokens - num_decode
                 if self.async_scheduling and handle.plain and self.scheduler.can_look_ahead(batch):
                     # Plan and launch the next step while this one runs on the device.
                     self.scheduler.advance(batch)
@@ -467,13 +504,9 @@ class LLM:
                 )
                 if done:
                     bar.update(done)
+                rates.add(num_prefill, num_decode)
                 if use_tqdm:
-                    dt = max(time.perf_counter() - t0, 1e-9)
-                    bar.set_postfix_str(
-                        f"prefill {prefill_tokens / dt:.0f} tok/s, "
-                        f"decode {decode_tokens / dt:.0f} tok/s",
-                        refresh=False,
-                    )
+                    bar.set_postfix_str(rates.describe(), refresh=False)
         except BaseException:
             # Interrupted or failed mid-step: give every block back so the LLM stays usable.
             self.scheduler.abort_all()

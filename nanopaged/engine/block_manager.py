@@ -27,7 +27,7 @@ class KVStats:
     num_used_blocks: int
     num_shared_blocks: int  # ref count > 1
     num_cached_free_blocks: int  # free, but still holding a prefix-cache hash
-    slot_utilization: float  # token slots holding a token / slots of the used blocks
+    slot_utilization: float  # token slots holding a token / slots of the used blocks; 0: none
     peak_used_blocks: int  # highest num_used_blocks since reset_peaks (each LLM run resets)
     peak_shared_blocks: int
     num_cpu_blocks: int = 0
@@ -129,20 +129,36 @@ class BlockManager:
 
         Returns False, changing nothing, when there are not enough free blocks.
         """
-        assert not seq.block_table
-        num_cached_tokens = len(cached_blocks) * self.block_size
-        num_fresh = self.num_blocks_for(num_cached_tokens + num_new_tokens) - len(cached_blocks)
-        num_revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
-        if num_fresh + num_revived > self.num_free_blocks:
+        return self.allocate_group([seq], [cached_blocks], [num_new_tokens])
+
+    def allocate_group(
+        self, seqs: list[Sequence], cached: list[list[int]], num_new_tokens: list[int]
+    ) -> bool:
+        """allocate() for several sequences at once (the sequences of one group): all or none.
+
+        Every cached block of every sequence is taken back from the free list before any fresh
+        block is handed out, so a fresh block for one sequence can never be a cached-but-free
+        block that another of them was promised as holding its KV.
+        """
+        bs = self.block_size
+        revived = {b for blocks in cached for b in blocks if self.ref_counts[b] == 0}
+        num_fresh = [
+            self.num_blocks_for(len(blocks) * bs + n) - len(blocks)
+            for blocks, n in zip(cached, num_new_tokens)
+        ]
+        if sum(num_fresh) + len(revived) > self.num_free_blocks:
             return False
-        for b in cached_blocks:
-            if self.ref_counts[b] == 0:
-                del self.free_blocks[b]
-            self._incref(b)
+        for seq, blocks in zip(seqs, cached):
+            assert not seq.block_table
+            for b in blocks:
+                if self.ref_counts[b] == 0:
+                    del self.free_blocks[b]
+                self._incref(b)
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
-        seq.block_table = cached_blocks + [self._take_free_block() for _ in range(num_fresh)]
-        seq.num_computed_tokens = num_cached_tokens
-        seq.num_registered_blocks = len(cached_blocks)
+        for seq, blocks, k in zip(seqs, cached, num_fresh):
+            seq.block_table = blocks + [self._take_free_block() for _ in range(k)]
+            seq.num_computed_tokens = len(blocks) * bs
+            seq.num_registered_blocks = len(blocks)
         return True
 
     def append_slots(
@@ -188,14 +204,18 @@ class BlockManager:
         Counts copy-on-write exactly: of the sequences sharing a block, the last one to write
         into it finds it no longer shared and writes in place.
         """
+        return self._count_appends(work, self.ref_counts)
+
+    def _count_appends(self, work: list[tuple[Sequence, int]], ref_counts: list[int]) -> int:
+        """blocks_needed over tables whose blocks have the given ref counts."""
         total = 0
         refs: dict[int, int] = {}
         for seq, n in work:
             total += max(0, self.num_blocks_for(seq.num_computed_tokens + n) - len(seq.block_table))
-            i = self._shared_write_block(seq, n)
-            if i is not None:
+            i = seq.num_computed_tokens // self.block_size
+            if n > 0 and i < len(seq.block_table):
                 b = seq.block_table[i]
-                left = refs.get(b, self.ref_counts[b])
+                left = refs.get(b, ref_counts[b])
                 if left > 1:
                     total += 1
                     refs[b] = left - 1
@@ -239,6 +259,13 @@ class BlockManager:
         unique = {b for seq in seqs for b in seq.block_table}
         return len(unique) + num_lookahead <= self.num_free_blocks
 
+    def blocks_to_swap_in(self, work: list[tuple[Sequence, int]]) -> int:
+        """Free device blocks that swap_in of a swapped-out group, then append_slots of each
+        (seq, num_new_tokens), would take. The group's tables hold CPU block ids; a CPU block's
+        ref count is the number of the group's sequences sharing it."""
+        unique = {b for seq, _ in work for b in seq.block_table}
+        return len(unique) + self._count_appends(work, self.cpu_pool.ref_counts)
+
     def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """Bring swapped-out seqs back into fresh device blocks; returns (cpu, device) pairs."""
         mapping: dict[int, int] = {}
@@ -275,7 +302,7 @@ class BlockManager:
             num_used_blocks=used,
             num_shared_blocks=self.num_shared_blocks,
             num_cached_free_blocks=cached_free,
-            slot_utilization=sum(filled.values()) / (used * bs) if used else 1.0,
+            slot_utilization=sum(filled.values()) / (used * bs) if used else 0.0,
             peak_used_blocks=self.peak_used_blocks,
             peak_shared_blocks=self.peak_shared_blocks,
             num_cpu_blocks=self.cpu_pool.num_blocks,

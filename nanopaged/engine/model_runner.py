@@ -59,6 +59,13 @@ class StepHandle:
             self.outputs = self._host.tolist()
         return self.outputs
 
+def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block: K and V of block_size tokens in every layer."""
+    c = model_config
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * elem
+
+
 # KV budget on CPU when kv_cache_memory is not given.
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 
@@ -83,6 +90,11 @@ class ModelRunner:
         self.block_size = engine_config.block_size
         torch.manual_seed(engine_config.seed)
         self.generator = torch.Generator(device=device).manual_seed(engine_config.seed)
+        # A budget the config fixes is checked before anything is loaded.
+        profile = device.type == "cuda" and engine_config.kv_cache_memory is None
+        if not profile:
+            budget = engine_config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+            self.num_blocks = self._blocks_for_budget(budget)
         with torch.device(device):
             default_dtype = torch.get_default_dtype()
             torch.set_default_dtype(dtype)
@@ -93,7 +105,8 @@ class ModelRunner:
         load_weights(self.model, model_dir)
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.num_blocks = self._count_kv_blocks()
+        if profile:
+            self.num_blocks = self._blocks_for_budget(self._profile_cuda_budget())
         # kv_cache: [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = torch.empty(
             2,
@@ -132,60 +145,98 @@ class ModelRunner:
     # ---- sizing --------------------------------------------------------------------------
     @property
     def kv_bytes_per_block(self) -> int:
-        c = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * elem
+        return kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
 
-    def _count_kv_blocks(self) -> int:
+    def _blocks_for_budget(self, budget: int) -> int:
         cfg = self.config
-        if cfg.kv_cache_memory is not None:
-            budget = cfg.kv_cache_memory
-        elif self.device.type == "cuda":
-            budget = self._profile_cuda_budget()
-        else:
-            budget = DEFAULT_CPU_KV_CACHE_MEMORY
         num_blocks = budget // self.kv_bytes_per_block
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         if num_blocks < blocks_per_seq:
+            knobs = "kv_cache_memory"
+            if self.device.type == "cuda":
+                knobs += " or gpu_memory_utilization"
             raise ValueError(
                 f"the KV cache holds {num_blocks * self.block_size} tokens "
                 f"({budget / 2**20:.1f} MiB at {self.kv_bytes_per_block} bytes per block of "
                 f"{self.block_size}), less than one sequence of max_model_len="
-                f"{self.max_model_len}; raise kv_cache_memory or gpu_memory_utilization, or "
-                "lower max_model_len"
+                f"{self.max_model_len}; raise {knobs}, or lower max_model_len"
             )
         # More blocks than every sequence at full length could use is wasted memory.
         return min(num_blocks, blocks_per_seq * cfg.max_num_seqs)
 
     def _profile_cuda_budget(self) -> int:
-        """Bytes left for KV after weights and a peak forward pass, under the utilization cap."""
+        """Bytes left for KV under the utilization cap after the weights, the peak of a full
+        prefill step with its sampling (every sampling option on), and what CUDA graphs of
+        decode steps will hold."""
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
-        blocks = -(-num_tokens // self.block_size)
+        # The largest step: max_num_batched_tokens, in sequences of at most max_model_len.
+        total = self.config.max_num_batched_tokens
+        lens = [self.max_model_len] * (total // self.max_model_len)
+        if total % self.max_model_len:
+            lens.append(total % self.max_model_len)
+        blocks = [-(-n // self.block_size) for n in lens]
         c = self.model_config
         scratch = torch.empty(
-            2, c.num_layers, blocks, self.block_size, c.num_kv_heads, c.head_dim,
+            2, c.num_layers, sum(blocks), self.block_size, c.num_kv_heads, c.head_dim,
             dtype=self.dtype, device=self.device,
         )
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = scratch[0, i], scratch[1, i]
-        positions, meta = self._metadata([num_tokens], [0], [list(range(blocks))])
-        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        firsts = np.cumsum([0] + blocks[:-1])
+        tables = [list(range(f, f + b)) for f, b in zip(firsts, blocks)]
+        positions, meta = self._metadata(lens, [0] * len(lens), tables)
+        input_ids = torch.zeros(total, dtype=torch.long, device=self.device)
+        rows = min(self.config.max_num_seqs, total)
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, meta)
-            rows = min(self.config.max_num_seqs, num_tokens)
-            self.model.compute_logits(hidden[:rows]).float().softmax(-1)
+            self._profile_sampling(self.model.compute_logits(hidden[:rows]).float())
+            del hidden
+            graph_bytes = 0
+            if not self.config.enforce_eager:
+                # A decode forward at max_num_seqs: the activations the graphs' pool keeps.
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                decode_lens = [1] * self.config.max_num_seqs
+                starts = [min(b * self.block_size, self.max_model_len) - 1 for b in blocks]
+                starts = (starts * self.config.max_num_seqs)[: len(decode_lens)]
+                table = (tables * self.config.max_num_seqs)[: len(decode_lens)]
+                positions, meta = self._metadata(decode_lens, starts, table)
+                ids = torch.zeros(len(decode_lens), dtype=torch.long, device=self.device)
+                self.model(ids, positions, meta)
+                torch.cuda.synchronize()
+                graph_bytes = torch.cuda.max_memory_allocated() - before
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - scratch.numel() * scratch.element_size()
-        del scratch, hidden
+        del scratch
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = None
         torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        not_torch = total - free - torch.cuda.memory_reserved()
-        return max(0, int(total * self.config.gpu_memory_utilization) - peak - not_torch)
+        free, total_bytes = torch.cuda.mem_get_info()
+        not_torch = total_bytes - free - torch.cuda.memory_reserved()
+        # Graph capture also takes workspaces and allocator slack beyond the activations.
+        margin = 256 << 20
+        budget = int(total_bytes * self.config.gpu_memory_utilization)
+        return max(0, budget - peak - graph_bytes - not_torch - margin)
+
+    def _profile_sampling(self, logits: torch.Tensor) -> None:
+        """Run the sampler's most memory-hungry path over logits rows: [rows, vocab] fp32."""
+        rows, vocab = logits.shape
+        ones = torch.ones(rows, device=self.device)
+        st = SamplingTensors(
+            temperatures=ones,
+            top_ps=ones * 0.9,
+            top_ks=torch.full((rows,), max(1, vocab // 2), device=self.device),
+            min_ps=ones * 0.01,
+            generators=[None] * rows,
+            all_greedy=False,
+            any_top_p_k=True,
+            any_min_p=True,
+        )
+        sample(logits, st, self.generator)
+        logits.log_softmax(-1).topk(min(20, vocab), dim=-1)
 
     # ---- one step ------------------------------------------------------------------------
     def _host_arrays(

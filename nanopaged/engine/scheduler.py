@@ -137,10 +137,16 @@ class Scheduler:
             return
         for seq in seqs:
             bm.free(seq)
-            seq.num_computed_tokens = 0
-            seq.status = SequenceStatus.WAITING
-            seq.num_preemptions += 1
+            _reset_for_recompute(seq)
         self.waiting.appendleft(group)
+
+    def _drop_swapped(self, group: SequenceGroup) -> None:
+        """Give a swapped-out group's CPU blocks back; it will be recomputed from scratch."""
+        for seq in group.seqs_with_status(SequenceStatus.SWAPPED):
+            for cpu_id in seq.block_table:
+                self.block_manager.cpu_pool.decref(cpu_id)
+            seq.block_table = []
+            _reset_for_recompute(seq)
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's work; may preempt running groups to make room."""
@@ -175,7 +181,8 @@ class Scheduler:
                     break
             else:
                 for seq, n in work:
-                    assert bm.append_slots(seq, n, batch.blocks_to_copy)
+                    ok = bm.append_slots(seq, n, batch.blocks_to_copy)
+                    assert ok, "blocks_needed counted the blocks this append takes"
                     batch.seqs.append(seq)
                     batch.num_scheduled_tokens.append(n)
                     budget -= n
@@ -184,32 +191,38 @@ class Scheduler:
             break  # the group preempted itself: nothing newer is left to run
 
         # Swapped-out groups come back before new ones are admitted, and only when nothing was
-        # preempted this step, or they would thrash.
-        while not preempted and self.swapped and budget > 0:
+        # preempted this step (or they would thrash), unless nothing runs at all.
+        while (not preempted or not batch.seqs) and self.swapped and budget > 0:
             group = self.swapped[0]
             if not self._has_room(group):
                 break
             seqs = group.seqs_with_status(SequenceStatus.SWAPPED)
             counts = self._plan([len(s) - s.num_computed_tokens for s in seqs], budget)
-            # Room to grow each table, plus a copy-on-write block each at most.
-            grow = sum(
-                max(0, bm.num_blocks_for(s.num_computed_tokens + n) - len(s.block_table)) + 1
-                for s, n in zip(seqs, counts)
-            )
-            if sum(counts) == 0 or not bm.can_swap_in(seqs, grow):
+            if sum(counts) == 0:
                 break
+            if bm.blocks_to_swap_in(list(zip(seqs, counts))) > bm.num_free_blocks:
+                if self.running:
+                    break  # running groups will finish and give blocks back
+                # Nothing runs and the free pool is all there is: recompute it instead, from
+                # the head of the queue (a group always fits an empty pool, see LLM).
+                self.swapped.popleft()
+                self._drop_swapped(group)
+                self.waiting.appendleft(group)
+                continue
             self.swapped.popleft()
             batch.blocks_to_swap_in.extend(bm.swap_in(seqs))
             self.running.append(group)
             for seq, n in zip(seqs, counts):
                 seq.status = SequenceStatus.RUNNING
                 if n > 0:
-                    assert bm.append_slots(seq, n, batch.blocks_to_copy)
+                    ok = bm.append_slots(seq, n, batch.blocks_to_copy)
+                    assert ok, "blocks_to_swap_in counted the blocks this append takes"
                     batch.seqs.append(seq)
                     batch.num_scheduled_tokens.append(n)
                     budget -= n
 
-        while not preempted and not self.swapped and self.waiting and budget > 0:
+        admit = not preempted or not batch.seqs
+        while admit and not self.swapped and self.waiting and budget > 0:
             group = self.waiting[0]
             if not self._has_room(group):
                 break
@@ -231,14 +244,8 @@ class Scheduler:
         counts = self._plan(remaining, budget)
         if sum(counts) == 0:
             return None
-        done: list[Sequence] = []
-        for seq, blocks, n in zip(seqs, cached, counts):
-            if not bm.allocate(seq, blocks, n):
-                for d in done:  # roll back: the group runs whole or not at all
-                    bm.free(d)
-                    d.num_computed_tokens = 0
-                return None
-            done.append(seq)
+        if not bm.allocate_group(seqs, cached, counts):  # the group runs whole or not at all
+            return None
         for seq, n in zip(seqs, counts):
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
@@ -429,6 +436,13 @@ class Scheduler:
         self.swapped.clear()
         self.waiting.clear()
         return dropped
+
+
+def _reset_for_recompute(seq: Sequence) -> None:
+    seq.num_computed_tokens = 0
+    seq.num_registered_blocks = 0
+    seq.status = SequenceStatus.WAITING
+    seq.num_preemptions += 1
 
 
 def _append(seq: Sequence, out: SampleOutput, j: int) -> None:

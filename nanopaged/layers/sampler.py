@@ -65,6 +65,8 @@ def sample(
         if unseeded:
             rows = torch.tensor(unseeded, device=probs.device)
             noise[rows] = torch.empty_like(noise[rows]).exponential_(generator=generator)
+    # An exact 0 would turn p / E into inf (or NaN for a masked token) and win the race.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(is_greedy, greedy_tokens, sampled)
 

@@ -153,6 +153,32 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert seq.block_table[: len(cached)] == cached
         self.scheduled[seq.seq_id] = num_new
 
+    @rule(picks=st.lists(st.integers(0, MAX_SEQS), min_size=2, max_size=3), chunk=st.integers(1, 16))
+    def admit_group(self, picks: list[int], chunk: int) -> None:
+        """Admission of a group's waiting sequences (a preempted n > 1 request coming back):
+        every prefix lookup first, then one all-or-nothing allocation. A fresh block for one
+        sequence must never be a cached block another of them was promised."""
+        waiting = self._waiting()
+        seqs = list({id(s): s for s in (waiting[p % len(waiting)] for p in picks)}.values())
+        if len(seqs) < 2:
+            return
+        cached = [self.bm.get_computed_blocks(s) for s in seqs]
+        counts = [min(len(s) - len(c) * self.bs, chunk) for s, c in zip(seqs, cached)]
+        before = self._snapshot()
+        if not self.bm.allocate_group(seqs, cached, counts):
+            assert self._snapshot() == before, "a failed allocate must change nothing"
+            event("group allocate refused")
+            return
+        event("group allocated")
+        for seq, c, n in zip(seqs, cached, counts):
+            assert seq.block_table[: len(c)] == c
+            for p in range(len(c) * self.bs):  # still the KV of exactly this prefix
+                assert self.content[c[p // self.bs]][p % self.bs] == tuple(seq.token_ids[: p + 1])
+            fresh = seq.block_table[len(c) :]
+            others = {b for s in self.seqs if s is not seq for b in s.block_table}
+            assert not set(fresh) & others, "a fresh block is also in another table"
+            self.scheduled[seq.seq_id] = n
+
     def _busy(self) -> list[Sequence]:
         """Sequences with slots reserved for tokens not yet computed."""
         return [s for s in self.seqs if self.scheduled[s.seq_id]]

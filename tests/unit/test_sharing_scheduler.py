@@ -153,3 +153,36 @@ def test_beams_fork_share_and_free():
     assert g.completed_beams[0].token_ids == [EOS]
     assert g.completed_beams[1].token_ids == [5, 1, 8]
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_group_admission_never_hands_out_a_block_a_sibling_hits():
+    """A preempted group whose siblings differ comes back: sibling a takes fresh blocks, sibling
+    b hits a cached-but-free block. The fresh block must not be the one b was promised."""
+    bm = BlockManager(4, 2, True)
+    sched = Scheduler(bm, 8, 64, 64, {EOS}, "recompute")
+    # Block x caches [1, 2]; the blocks freed after it are cached too, so x is handed out first.
+    p = Sequence([1, 2, 3], SamplingParams())
+    bm.allocate(p, [], 3)
+    p.num_computed_tokens = 3
+    bm.cache_full_blocks(p)
+    x = p.block_table[0]
+    bm.free(p)
+    t = Sequence([20, 21, 22, 23, 24, 25], SamplingParams())
+    bm.allocate(t, [], 6)
+    t.num_computed_tokens = 6
+    bm.cache_full_blocks(t)
+    bm.free(t)
+    assert next(iter(bm.free_blocks)) == x
+    a = Sequence([7, 8], SamplingParams(n=2, max_tokens=4))
+    group = SequenceGroup("g", a)
+    b = a.fork()
+    b.token_ids = [1, 2, 5]
+    group.add_child(b)
+    group.mark_forked()
+    sched.add(group)
+    batch = sched.schedule()
+    assert set(batch.seqs) == {a, b}
+    assert b.block_table[0] == x  # the prefix hit
+    assert x not in a.block_table
+    assert not set(a.block_table) & set(b.block_table)
+    assert bm.ref_counts[x] == 1
