@@ -18,6 +18,7 @@ import random
 from dataclasses import dataclass
 
 import pytest
+import torch
 from tiny_models import add_byte_tokenizer, make_tiny_model
 
 from nanopaged import LLM, BeamSearchParams, SamplingParams
@@ -88,7 +89,11 @@ class Engines:
 
 @pytest.fixture(scope="module")
 def engines(model_dir):
-    return Engines(model_dir)
+    # Steps of a tiny model are too small for several threads to pay off.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield Engines(model_dir)
+    torch.set_num_threads(threads)
 
 
 def _prompt(rng: random.Random) -> list[int]:
