@@ -1,0 +1,412 @@
+"""Fused sort-free sampling: temperature, top-k, top-p, min-p, seeded noise, raw logprobs.
+
+Semantics, per row of logits [batch, vocab], all in fp32 on x = logits / temperature:
+  greedy (temperature == 0): the first argmax of the raw logits.
+  top-k (1 <= k < vocab): keep x >= the k-th largest x (tied tokens share the fate).
+  top-p (< 1): over the top-k set, with e = exp(x - max x) and Z = sum of e over that set,
+      drop a token when the e of the tokens with strictly greater x sums to more than top_p * Z.
+  min-p (> 0): drop a token when x - max x < log(min_p), i.e. p < min_p * p_max.
+  sample: argmax over the allowed tokens of x + g, g = -log(-log(u)) Gumbel noise, u from a
+      counter-based hash of (seed, offset, token index): a row's token depends only on its
+      logits, settings, seed and offset, never on the batch.
+Penalties and min_tokens are the caller's: it applies them to logits before this call (a
+min_tokens stop token is a -inf logit; -inf tokens are never allowed). Logprobs are
+log_softmax of the logits passed in (vLLM's raw logprobs), before temperature.
+
+Every cut-off is a threshold on x found by bisection over the values, one pass over the row per
+step, so nothing is sorted; each step keeps its bounds on actual element values, so the search
+ends on the exact threshold rather than near it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs use sample_ref
+    triton = None
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass
+class FusedSample:
+    """Tokens of one sampling step and, when asked for, their raw logprobs."""
+
+    token_ids: torch.Tensor  # [batch] int64
+    logprobs: torch.Tensor  # [batch] fp32, the sampled token's raw logprob
+    top_logprobs: torch.Tensor | None  # [batch, num_logprobs] fp32, descending
+    top_token_ids: torch.Tensor | None  # [batch, num_logprobs] int64
+
+
+# ---- the counter-based RNG, in torch (int64 holding uint32) -------------------------------
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    # h * c mod 2**32 in 16-bit halves, so no int64 product overflows.
+    lo = h * (c & 0xFFFF)
+    hi = ((h * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _MASK32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    # murmur3's finalizer: every input bit flips about half of the output bits.
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _row_keys(seeds: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    seeds, offsets = seeds.long(), offsets.long()
+    a = _fmix32((seeds & _MASK32) ^ 0x2545F491)
+    a = _fmix32(a ^ ((seeds >> 32) & _MASK32))
+    a = _fmix32(a ^ (offsets & _MASK32))
+    a = _fmix32(a ^ ((offsets >> 32) & _MASK32))
+    return a, _fmix32((a + 0x9E3779B9) & _MASK32)
+
+
+def uniform_ref(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """u in (0, 1), [batch, vocab] fp32: the kernel's random numbers, bit for bit."""
+    key_a, key_b = _row_keys(seeds.cpu(), offsets.cpu())
+    idx = torch.arange(vocab, dtype=torch.int64)
+    h = _fmix32(_mul32(idx, 0x9E3779B1)[None, :] ^ key_a[:, None])
+    h = _fmix32((h + key_b[:, None]) & _MASK32)
+    # 23 bits plus a half: exact in fp32 and never 0 or 1, so both logs stay finite.
+    return (((h >> 9).float() + 0.5) * 2.0**-23).to(seeds.device)
+
+
+# ---- the reference ----------------------------------------------------------------------
+
+
+def allowed_mask_ref(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+) -> torch.Tensor:
+    """[batch, vocab] bool: the tokens a sampled row may draw (greedy rows: all finite)."""
+    vocab = logits.shape[1]
+    greedy = temperatures == 0
+    temps = torch.where(greedy, torch.ones_like(temperatures), temperatures)
+    # A greedy row ignores its filters: it may take any finite token.
+    top_ks = top_ks.masked_fill(greedy, 0)
+    top_ps = top_ps.masked_fill(greedy, 1.0)
+    min_ps = min_ps.masked_fill(greedy, 0.0)
+    x = logits.float() / temps.float()[:, None]
+    allowed = x > float("-inf")
+    m = x.max(dim=1, keepdim=True).values
+    ks = top_ks.long()
+    use_k = (ks > 0) & (ks < vocab)
+    kth = x.sort(dim=1, descending=True).values.gather(1, (ks.clamp(1, vocab) - 1)[:, None])
+    allowed &= ~use_k[:, None] | (x >= kth)
+    # F(token) = sum of e over allowed tokens with strictly greater x, ties counted together.
+    e = torch.where(allowed, torch.exp(x - m), torch.zeros_like(x))
+    asc, order = x.masked_fill(~allowed, float("-inf")).sort(dim=1)
+    suffix = e.gather(1, order).flip(1).cumsum(1).flip(1)  # suffix[j]: e of asc[j:]
+    suffix = torch.cat([suffix, torch.zeros_like(suffix[:, :1])], dim=1)
+    mass_above = suffix.gather(1, torch.searchsorted(asc, x, right=True))
+    limit = top_ps.float()[:, None] * e.sum(dim=1, keepdim=True)
+    allowed &= (top_ps[:, None] >= 1) | (mass_above <= limit)
+    allowed &= x - m >= torch.log(min_ps.float())[:, None]
+    return allowed
+
+
+def sample_ref(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    num_logprobs: int = 0,
+) -> FusedSample:
+    """Torch reference of sample_fused (same arguments, same tokens)."""
+    raw = logits.float()
+    greedy = raw.argmax(dim=1)
+    temps = torch.where(temperatures == 0, torch.ones_like(temperatures), temperatures)
+    x = raw / temps.float()[:, None]
+    allowed = allowed_mask_ref(logits, temperatures, top_ks, top_ps, min_ps)
+    gumbel = -torch.log(-torch.log(uniform_ref(seeds, offsets, raw.shape[1])))
+    sampled = torch.where(allowed, x + gumbel, float("-inf")).argmax(dim=1)
+    tokens = torch.where(temperatures == 0, greedy, sampled)
+    logprobs = raw.log_softmax(dim=1)
+    top_lp = top_ids = None
+    if num_logprobs > 0:
+        top_lp, top_ids = logprobs.topk(num_logprobs, dim=1)
+    return FusedSample(tokens, logprobs.gather(1, tokens[:, None])[:, 0], top_lp, top_ids)
+
+
+# ---- the kernel -------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _mix(h):
+        h ^= h >> 16
+        h *= 0x85EBCA6B
+        h ^= h >> 13
+        h *= 0xC2B2AE35
+        h ^= h >> 16
+        return h
+
+    @triton.jit
+    def _load_raw(row_ptr, start, vocab, BLOCK: tl.constexpr):
+        idx = start + tl.arange(0, BLOCK)
+        raw = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+        return idx, raw
+
+    @triton.jit
+    def _load_x(row_ptr, start, vocab, temp, BLOCK: tl.constexpr):
+        idx, raw = _load_raw(row_ptr, start, vocab, BLOCK)
+        # Rounded division, as torch divides; the default `/` may be approximate on GPUs.
+        return idx, tl.math.div_rn(raw, temp)
+
+    @triton.jit
+    def _kth_largest(row_ptr, vocab, temp, k, lo, hi, BLOCK: tl.constexpr):
+        # lo <= answer <= hi, both element values: each step moves one bound to an element
+        # strictly inside (lo, hi], so the loop ends on the k-th largest value itself.
+        while lo < hi:
+            t = lo * 0.5 + hi * 0.5
+            t = tl.where(t <= lo, hi, t)
+            count = tl.full((), 0, tl.int32)
+            above = tl.full((), float("inf"), tl.float32)  # smallest x >= t
+            below = tl.full((), float("-inf"), tl.float32)  # largest x < t
+            for start in range(0, vocab, BLOCK):
+                _, x = _load_x(row_ptr, start, vocab, temp, BLOCK)
+                ge = x >= t
+                count += tl.sum(ge.to(tl.int32))
+                above = tl.minimum(above, tl.min(tl.where(ge, x, float("inf"))))
+                below = tl.maximum(below, tl.max(tl.where(ge, float("-inf"), x)))
+            if count == k:
+                lo = above
+                hi = above
+            elif count > k:
+                lo = above
+            else:
+                hi = below
+        return lo
+
+    @triton.jit
+    def _top_p_cut(row_ptr, vocab, temp, x_max, keep_from, limit, lo, hi, BLOCK: tl.constexpr):
+        # The smallest x (>= keep_from) whose strictly-greater mass is <= limit. If the mass of
+        # x >= t exceeds limit, the largest x below t is dropped and so is all beneath it.
+        while lo < hi:
+            t = lo * 0.5 + hi * 0.5
+            t = tl.where(t <= lo, hi, t)
+            mass = tl.full((), 0.0, tl.float32)
+            above = tl.full((), float("inf"), tl.float32)
+            below = tl.full((), float("-inf"), tl.float32)
+            for start in range(0, vocab, BLOCK):
+                _, x = _load_x(row_ptr, start, vocab, temp, BLOCK)
+                ge = x >= t
+                kept = x >= keep_from
+                mass += tl.sum(tl.where(ge & kept, tl.exp(x - x_max), 0.0))
+                above = tl.minimum(above, tl.min(tl.where(ge, x, float("inf"))))
+                below = tl.maximum(below, tl.max(tl.where(ge | ~kept, float("-inf"), x)))
+            if mass > limit:
+                lo = above
+            else:
+                hi = below
+        return lo
+
+    @triton.jit
+    def _sample_kernel(
+        logits_ptr, temps_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr, offsets_ptr,
+        tokens_ptr, logprobs_ptr, top_vals_ptr, top_ids_ptr, lse_ptr, allowed_ptr,
+        vocab, stride_row,
+        NUM_LOGPROBS: tl.constexpr, WRITE_ALLOWED: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        # One program owns one row and passes over it several times; with a program per SM
+        # the rows in flight stay in L2, so the passes after the first are cheap.
+        row = tl.program_id(0)
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        temp = tl.load(temps_ptr + row)
+        is_sampled = temp != 0.0
+        temp = tl.where(is_sampled, temp, 1.0)
+
+        # Pass 1: raw max (first argmax), smallest finite raw value, count of finite values.
+        raw_max = tl.full((), float("-inf"), tl.float32)
+        raw_min = tl.full((), float("inf"), tl.float32)
+        argmax = tl.full((), 0, tl.int32)
+        num_finite = tl.full((), 0, tl.int32)
+        for start in range(0, vocab, BLOCK):
+            idx, raw = _load_raw(row_ptr, start, vocab, BLOCK)
+            finite = raw > float("-inf")
+            block_max = tl.max(raw)
+            block_arg = tl.min(tl.where(raw == block_max, idx, vocab))
+            argmax = tl.where(block_max > raw_max, block_arg, argmax)
+            raw_max = tl.maximum(raw_max, block_max)
+            raw_min = tl.minimum(raw_min, tl.min(tl.where(finite, raw, float("inf"))))
+            num_finite += tl.sum(finite.to(tl.int32))
+        # Rounded division by a positive number is monotone: the max of x is raw_max / temp.
+        x_max = tl.math.div_rn(raw_max, temp)
+        x_min = tl.math.div_rn(raw_min, temp)
+
+        k_cut = tl.full((), float("-inf"), tl.float32)
+        p_cut = tl.full((), float("-inf"), tl.float32)
+        log_min_p = tl.full((), float("-inf"), tl.float32)
+        if is_sampled:
+            top_k = tl.load(top_ks_ptr + row)
+            if (top_k > 0) & (top_k < num_finite):
+                k_cut = _kth_largest(row_ptr, vocab, temp, top_k, x_min, x_max, BLOCK)
+            top_p = tl.load(top_ps_ptr + row)
+            if top_p < 1.0:
+                total = tl.full((), 0.0, tl.float32)
+                for start in range(0, vocab, BLOCK):
+                    _, x = _load_x(row_ptr, start, vocab, temp, BLOCK)
+                    total += tl.sum(tl.where(x >= k_cut, tl.exp(x - x_max), 0.0))
+                lo = tl.maximum(k_cut, x_min)
+                p_cut = _top_p_cut(row_ptr, vocab, temp, x_max, k_cut, top_p * total, lo,
+                                   x_max, BLOCK)
+            min_p = tl.load(min_ps_ptr + row)
+            if min_p > 0.0:
+                log_min_p = tl.log(min_p)
+        n_cut = tl.full((), float("-inf"), tl.float32)
+        if NUM_LOGPROBS > 0:
+            if NUM_LOGPROBS < num_finite:
+                one = tl.full((), 1.0, tl.float32)
+                n_cut = _kth_largest(row_ptr, vocab, one, NUM_LOGPROBS, raw_min, raw_max, BLOCK)
+
+        # Last pass: Gumbel-max over the allowed tokens, the raw softmax sum, top-n raw logits.
+        seed = tl.load(seeds_ptr + row)
+        offset = tl.load(offsets_ptr + row)
+        key_a = _mix((seed & 0xFFFFFFFF).to(tl.uint32) ^ 0x2545F491)
+        key_a = _mix(key_a ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+        key_a = _mix(key_a ^ (offset & 0xFFFFFFFF).to(tl.uint32))
+        key_a = _mix(key_a ^ ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32))
+        key_b = _mix(key_a + 0x9E3779B9)
+        best = tl.full((), float("-inf"), tl.float32)
+        token = argmax
+        sum_exp = tl.full((), 0.0, tl.float32)
+        num_top = tl.full((), 0, tl.int32)
+        for start in range(0, vocab, BLOCK):
+            idx, raw = _load_raw(row_ptr, start, vocab, BLOCK)
+            sum_exp += tl.sum(tl.exp(raw - raw_max))
+            x = tl.math.div_rn(raw, temp)
+            allowed = (x > float("-inf")) & (x >= k_cut) & (x >= p_cut)
+            allowed &= (x - x_max) >= log_min_p
+            if WRITE_ALLOWED:
+                tl.store(allowed_ptr + row.to(tl.int64) * vocab + idx, allowed.to(tl.int8),
+                         mask=idx < vocab)
+            if is_sampled:
+                h = _mix((idx.to(tl.uint32) * 0x9E3779B1) ^ key_a)
+                h = _mix(h + key_b)
+                u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+                score = tl.where(allowed, x - tl.log(-tl.log(u)), float("-inf"))
+                block_best = tl.max(score)
+                block_arg = tl.min(tl.where(score == block_best, idx, vocab))
+                token = tl.where(block_best > best, block_arg, token)
+                best = tl.maximum(best, block_best)
+            if NUM_LOGPROBS > 0:
+                chosen = (raw >= n_cut) & (raw > float("-inf"))
+                pos = num_top + tl.cumsum(chosen.to(tl.int32), 0) - 1
+                keep = chosen & (pos < NUM_LOGPROBS)
+                out = row.to(tl.int64) * NUM_LOGPROBS + pos
+                tl.store(top_vals_ptr + out, raw, mask=keep)
+                tl.store(top_ids_ptr + out, idx.to(tl.int64), mask=keep)
+                num_top += tl.sum(chosen.to(tl.int32))
+        lse = raw_max + tl.log(sum_exp)
+        tl.store(tokens_ptr + row, token.to(tl.int64))
+        tl.store(lse_ptr + row, lse)
+        raw_token = tl.load(row_ptr + token).to(tl.float32)
+        tl.store(logprobs_ptr + row, raw_token - lse)
+
+
+def _launch(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    num_logprobs: int,
+    allowed: torch.Tensor | None,
+    block: int | None,
+    num_warps: int | None,
+) -> FusedSample:
+    assert triton is not None, "sample_fused needs triton; use sample_ref"
+    assert logits.dim() == 2 and logits.stride(1) == 1, (logits.shape, logits.stride())
+    assert logits.dtype in (torch.float32, torch.float16, torch.bfloat16), logits.dtype
+    batch, vocab = logits.shape
+    dev = logits.device
+    for t, dtype in ((temperatures, torch.float32), (top_ks, torch.int32),
+                     (top_ps, torch.float32), (min_ps, torch.float32),
+                     (seeds, torch.int64), (offsets, torch.int64)):
+        assert t.shape == (batch,) and t.dtype == dtype and t.device == dev, (t.shape, t.dtype)
+        assert t.is_contiguous()
+    assert 0 <= num_logprobs <= vocab, num_logprobs
+    tokens = torch.empty(batch, dtype=torch.int64, device=dev)
+    logprobs = torch.empty(batch, dtype=torch.float32, device=dev)
+    lse = torch.empty(batch, dtype=torch.float32, device=dev)
+    n = max(num_logprobs, 1)
+    top_vals = torch.full((batch, n), float("-inf"), dtype=torch.float32, device=dev)
+    top_ids = torch.zeros(batch, n, dtype=torch.int64, device=dev)
+    if block is None:
+        block = min(4096, triton.next_power_of_2(vocab))
+    if num_warps is None:
+        num_warps = 16 if block >= 4096 else 4
+    if batch > 0:
+        _sample_kernel[(batch,)](
+            logits, temperatures, top_ks, top_ps, min_ps, seeds, offsets,
+            tokens, logprobs, top_vals, top_ids, lse, allowed if allowed is not None else tokens,
+            vocab, logits.stride(0),
+            NUM_LOGPROBS=num_logprobs, WRITE_ALLOWED=allowed is not None, BLOCK=block,
+            num_warps=num_warps,
+        )
+    if num_logprobs == 0:
+        return FusedSample(tokens, logprobs, None, None)
+    # The kernel gathers the top-n in vocabulary order; ordering n values is a tiny sort.
+    top_vals, order = top_vals.sort(dim=1, descending=True)
+    return FusedSample(tokens, logprobs, top_vals - lse[:, None], top_ids.gather(1, order))
+
+
+def sample_fused(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    num_logprobs: int = 0,
+    *,
+    block: int | None = None,
+    num_warps: int | None = None,
+) -> FusedSample:
+    """Sample one token per row of logits [batch, vocab] (fp32/bf16/fp16, rows may be strided).
+
+    Per row, on the logits' device: temperatures fp32 (0 = greedy), top_ks int32 (<= 0 or >=
+    vocab = off), top_ps fp32 (1 = off), min_ps fp32 (0 = off), seeds int64, offsets int64.
+    The noise of a row is keyed by (seed, offset): the caller folds the sample index and the
+    output position into offset (e.g. position * n + sample_index), so a row's draw is
+    reproducible and independent of the batch. num_logprobs > 0 also returns the top
+    num_logprobs raw logprobs. The module docstring states the exact semantics.
+    """
+    return _launch(logits, temperatures, top_ks, top_ps, min_ps, seeds, offsets, num_logprobs,
+                   None, block, num_warps)
+
+
+def allowed_mask_fused(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    *,
+    block: int | None = None,
+) -> torch.Tensor:
+    """The kernel's allowed set [batch, vocab] bool, for comparing with allowed_mask_ref."""
+    batch, vocab = logits.shape
+    allowed = torch.zeros(batch, vocab, dtype=torch.int8, device=logits.device)
+    zeros = torch.zeros(batch, dtype=torch.int64, device=logits.device)
+    _launch(logits, temperatures, top_ks, top_ps, min_ps, zeros, zeros, 0, allowed, block, None)
+    return allowed.bool()
