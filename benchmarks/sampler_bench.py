@@ -84,7 +84,7 @@ def torch_path(logits: torch.Tensor, setting: tuple, seed_list: list[int]):
     return run
 
 
-def fused_path(logits: torch.Tensor, setting: tuple, seed_list: list[int]):
+def fused_path(logits: torch.Tensor, setting: tuple, seed_list: list[int], **launch):
     temp, top_k, top_p, min_p, seeded, num_logprobs = setting
     batch = logits.shape[0]
     dev = logits.device
@@ -97,20 +97,24 @@ def fused_path(logits: torch.Tensor, setting: tuple, seed_list: list[int]):
 
     def run():
         offsets.add_(1)  # a new position each step, as in decode
-        return sample_fused(logits, temps, top_ks, top_ps, min_ps, seeds, offsets, num_logprobs)
+        return sample_fused(logits, temps, top_ks, top_ps, min_ps, seeds, offsets, num_logprobs,
+                            **launch)
 
     return run
 
 
-def run_sampler_bench(device: str | torch.device = "cuda") -> list[dict]:
-    """One row per (batch, setting): fused and torch ms and their ratio."""
+def run_sampler_bench(device: str | torch.device = "cuda", **launch) -> list[dict]:
+    """One row per (batch, setting): fused and torch ms and their ratio.
+
+    launch: block / num_warps for sample_fused, to try other tilings than its default.
+    """
     device = torch.device(device)
     rows = []
     for batch in BATCHES:
         logits = make_logits(batch, device)
         seed_list = list(range(1000, 1000 + batch))
         for name, setting in SETTINGS.items():
-            fused_ms = time_ms(fused_path(logits, setting, seed_list))
+            fused_ms = time_ms(fused_path(logits, setting, seed_list, **launch))
             torch_ms = time_ms(torch_path(logits, setting, seed_list))
             rows.append(dict(batch=batch, setting=name, fused_ms=round(fused_ms, 4),
                              torch_ms=round(torch_ms, 4), speedup=round(torch_ms / fused_ms, 2)))
@@ -122,12 +126,15 @@ def run_sampler_bench(device: str | torch.device = "cuda") -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--block", type=int, help="sample_fused BLOCK (default: its own)")
+    parser.add_argument("--num-warps", type=int, help="sample_fused num_warps")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("sampler_bench needs a CUDA device")
     print(f"{torch.cuda.get_device_name()}, vocab {VOCAB}, bf16 logits")
     print(f"{'batch':>5}  {'setting':<14} {'fused ms':>9} {'torch ms':>9} {'speedup':>9}")
-    rows = run_sampler_bench("cuda")
+    launch = {k: v for k, v in (("block", args.block), ("num_warps", args.num_warps)) if v}
+    rows = run_sampler_bench("cuda", **launch)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

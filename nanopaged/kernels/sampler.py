@@ -15,7 +15,10 @@ log_softmax of the logits passed in (vLLM's raw logprobs), before temperature.
 
 Every cut-off is a threshold on x found by bisection over the values, one pass over the row per
 step, so nothing is sorted; each step keeps its bounds on actual element values, so the search
-ends on the exact threshold rather than near it.
+ends on the exact threshold rather than near it. The searches run on the raw logits (rounded
+division by a positive temperature keeps their order), so the kernel can differ from the
+reference only where two raw values round to one x, or where a token's mass sits within fp32
+summation error of top_p * Z.
 """
 
 from __future__ import annotations
@@ -164,13 +167,7 @@ if triton is not None:
         return idx, raw
 
     @triton.jit
-    def _load_x(row_ptr, start, vocab, temp, BLOCK: tl.constexpr):
-        idx, raw = _load_raw(row_ptr, start, vocab, BLOCK)
-        # Rounded division, as torch divides; the default `/` may be approximate on GPUs.
-        return idx, tl.math.div_rn(raw, temp)
-
-    @triton.jit
-    def _kth_largest(row_ptr, vocab, temp, k, lo, hi, BLOCK: tl.constexpr):
+    def _kth_largest(row_ptr, vocab, k, lo, hi, BLOCK: tl.constexpr):
         # lo <= answer <= hi, both element values: each step moves one bound to an element
         # strictly inside (lo, hi], so the loop ends on the k-th largest value itself.
         while lo < hi:
@@ -180,7 +177,7 @@ if triton is not None:
             above = tl.full((), float("inf"), tl.float32)  # smallest x >= t
             below = tl.full((), float("-inf"), tl.float32)  # largest x < t
             for start in range(0, vocab, BLOCK):
-                _, x = _load_x(row_ptr, start, vocab, temp, BLOCK)
+                _, x = _load_raw(row_ptr, start, vocab, BLOCK)
                 ge = x >= t
                 count += tl.sum(ge.to(tl.int32))
                 above = tl.minimum(above, tl.min(tl.where(ge, x, float("inf"))))
@@ -195,7 +192,8 @@ if triton is not None:
         return lo
 
     @triton.jit
-    def _top_p_cut(row_ptr, vocab, temp, x_max, keep_from, limit, lo, hi, BLOCK: tl.constexpr):
+    def _top_p_cut(row_ptr, vocab, raw_max, scale, keep_from, limit, lo, hi,
+                   BLOCK: tl.constexpr):
         # The smallest x (>= keep_from) whose strictly-greater mass is <= limit. If the mass of
         # x >= t exceeds limit, the largest x below t is dropped and so is all beneath it.
         while lo < hi:
@@ -205,10 +203,10 @@ if triton is not None:
             above = tl.full((), float("inf"), tl.float32)
             below = tl.full((), float("-inf"), tl.float32)
             for start in range(0, vocab, BLOCK):
-                _, x = _load_x(row_ptr, start, vocab, temp, BLOCK)
+                _, x = _load_raw(row_ptr, start, vocab, BLOCK)
                 ge = x >= t
                 kept = x >= keep_from
-                mass += tl.sum(tl.where(ge & kept, tl.exp(x - x_max), 0.0))
+                mass += tl.sum(tl.where(ge & kept, tl.exp2((x - raw_max) * scale), 0.0))
                 above = tl.minimum(above, tl.min(tl.where(ge, x, float("inf"))))
                 below = tl.maximum(below, tl.max(tl.where(ge | ~kept, float("-inf"), x)))
             if mass > limit:
@@ -246,34 +244,38 @@ if triton is not None:
             raw_max = tl.maximum(raw_max, block_max)
             raw_min = tl.minimum(raw_min, tl.min(tl.where(finite, raw, float("inf"))))
             num_finite += tl.sum(finite.to(tl.int32))
-        # Rounded division by a positive number is monotone: the max of x is raw_max / temp.
+        # Rounded division by a positive number is monotone, so a cut on x is the rounded
+        # quotient of a cut on the raw values: the searches run on raw values and skip the
+        # (multi-instruction) rounded division. Torch divides with rounding; so does div_rn.
         x_max = tl.math.div_rn(raw_max, temp)
-        x_min = tl.math.div_rn(raw_min, temp)
+        scale = 1.4426950408889634 / temp  # exp(x - x_max) as one exp2 of raw values
 
         k_cut = tl.full((), float("-inf"), tl.float32)
+        k_raw = tl.full((), float("-inf"), tl.float32)
         p_cut = tl.full((), float("-inf"), tl.float32)
         log_min_p = tl.full((), float("-inf"), tl.float32)
         if is_sampled:
             top_k = tl.load(top_ks_ptr + row)
             if (top_k > 0) & (top_k < num_finite):
-                k_cut = _kth_largest(row_ptr, vocab, temp, top_k, x_min, x_max, BLOCK)
+                k_raw = _kth_largest(row_ptr, vocab, top_k, raw_min, raw_max, BLOCK)
+                k_cut = tl.math.div_rn(k_raw, temp)
             top_p = tl.load(top_ps_ptr + row)
             if top_p < 1.0:
                 total = tl.full((), 0.0, tl.float32)
                 for start in range(0, vocab, BLOCK):
-                    _, x = _load_x(row_ptr, start, vocab, temp, BLOCK)
-                    total += tl.sum(tl.where(x >= k_cut, tl.exp(x - x_max), 0.0))
-                lo = tl.maximum(k_cut, x_min)
-                p_cut = _top_p_cut(row_ptr, vocab, temp, x_max, k_cut, top_p * total, lo,
-                                   x_max, BLOCK)
+                    _, raw = _load_raw(row_ptr, start, vocab, BLOCK)
+                    total += tl.sum(tl.where(raw >= k_raw, tl.exp2((raw - raw_max) * scale), 0.0))
+                lo = tl.maximum(k_raw, raw_min)
+                p_raw = _top_p_cut(row_ptr, vocab, raw_max, scale, k_raw, top_p * total, lo,
+                                   raw_max, BLOCK)
+                p_cut = tl.math.div_rn(p_raw, temp)
             min_p = tl.load(min_ps_ptr + row)
             if min_p > 0.0:
                 log_min_p = tl.log(min_p)
         n_cut = tl.full((), float("-inf"), tl.float32)
         if NUM_LOGPROBS > 0:
             if NUM_LOGPROBS < num_finite:
-                one = tl.full((), 1.0, tl.float32)
-                n_cut = _kth_largest(row_ptr, vocab, one, NUM_LOGPROBS, raw_min, raw_max, BLOCK)
+                n_cut = _kth_largest(row_ptr, vocab, NUM_LOGPROBS, raw_min, raw_max, BLOCK)
 
         # Last pass: Gumbel-max over the allowed tokens, the raw softmax sum, top-n raw logits.
         seed = tl.load(seeds_ptr + row)
