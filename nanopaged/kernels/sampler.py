@@ -9,9 +9,13 @@ Semantics, per row of logits [batch, vocab], all in fp32 on x = logits / tempera
   sample: argmax over the allowed tokens of x + g, g = -log(-log(u)) Gumbel noise, u from a
       counter-based hash of (seed, offset, token index): a row's token depends only on its
       logits, settings, seed and offset, never on the batch.
-Penalties and min_tokens are the caller's: it applies them to logits before this call (a
-min_tokens stop token is a -inf logit; -inf tokens are never allowed). Logprobs are
-log_softmax of the logits passed in (vLLM's raw logprobs), before temperature.
+Logprobs are log_softmax of the logits passed in, before temperature (vLLM's raw logprobs).
+min_tokens is the caller's: it sets a banned stop token's logit to -inf (a -inf token is never
+allowed). Penalties are not fused yet: the caller applies layers.sampler.apply_penalties first,
+and then the logprobs are of the penalized logits, where vLLM's are of the logits before
+penalties. The place to fuse them is a first pass writing the penalized row (output counts
+[batch, vocab] int32, prompt mask [batch, vocab] int8) to a scratch row the searches then read,
+keeping the raw row for the logprobs.
 
 Every cut-off is a threshold on x found by bisection over the values, one pass over the row per
 step, so nothing is sorted; each step keeps its bounds on actual element values, so the search
@@ -26,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from nanopaged.kernels.paged_decode import num_sms
 
 try:
     import triton
@@ -173,15 +179,19 @@ if triton is not None:
         while lo < hi:
             t = lo * 0.5 + hi * 0.5
             t = tl.where(t <= lo, hi, t)
-            count = tl.full((), 0, tl.int32)
-            above = tl.full((), float("inf"), tl.float32)  # smallest x >= t
-            below = tl.full((), float("-inf"), tl.float32)  # largest x < t
+            # Per-lane accumulators: one cross-thread reduction per pass, not per block.
+            counts = tl.zeros([BLOCK], tl.int32)
+            aboves = tl.full([BLOCK], float("inf"), tl.float32)  # smallest x >= t
+            belows = tl.full([BLOCK], float("-inf"), tl.float32)  # largest x < t
             for start in range(0, vocab, BLOCK):
                 _, x = _load_raw(row_ptr, start, vocab, BLOCK)
                 ge = x >= t
-                count += tl.sum(ge.to(tl.int32))
-                above = tl.minimum(above, tl.min(tl.where(ge, x, float("inf"))))
-                below = tl.maximum(below, tl.max(tl.where(ge, float("-inf"), x)))
+                counts += ge.to(tl.int32)
+                aboves = tl.minimum(aboves, tl.where(ge, x, float("inf")))
+                belows = tl.maximum(belows, tl.where(ge, float("-inf"), x))
+            count = tl.sum(counts)
+            above = tl.min(aboves)
+            below = tl.max(belows)
             if count == k:
                 lo = above
                 hi = above
@@ -199,51 +209,55 @@ if triton is not None:
         while lo < hi:
             t = lo * 0.5 + hi * 0.5
             t = tl.where(t <= lo, hi, t)
-            mass = tl.full((), 0.0, tl.float32)
-            above = tl.full((), float("inf"), tl.float32)
-            below = tl.full((), float("-inf"), tl.float32)
+            masses = tl.zeros([BLOCK], tl.float32)
+            aboves = tl.full([BLOCK], float("inf"), tl.float32)
+            belows = tl.full([BLOCK], float("-inf"), tl.float32)
             for start in range(0, vocab, BLOCK):
                 _, x = _load_raw(row_ptr, start, vocab, BLOCK)
                 ge = x >= t
                 kept = x >= keep_from
-                mass += tl.sum(tl.where(ge & kept, tl.exp2((x - raw_max) * scale), 0.0))
-                above = tl.minimum(above, tl.min(tl.where(ge, x, float("inf"))))
-                below = tl.maximum(below, tl.max(tl.where(ge | ~kept, float("-inf"), x)))
-            if mass > limit:
+                masses += tl.where(ge & kept, tl.exp2((x - raw_max) * scale), 0.0)
+                aboves = tl.minimum(aboves, tl.where(ge, x, float("inf")))
+                belows = tl.maximum(belows, tl.where(ge | ~kept, float("-inf"), x))
+            above = tl.min(aboves)
+            below = tl.max(belows)
+            if tl.sum(masses) > limit:
                 lo = above
             else:
                 hi = below
         return lo
 
     @triton.jit
-    def _sample_kernel(
-        logits_ptr, temps_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr, offsets_ptr,
+    def _sample_row(
+        row, logits_ptr, temps_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr, offsets_ptr,
         tokens_ptr, logprobs_ptr, top_vals_ptr, top_ids_ptr, lse_ptr, allowed_ptr,
         vocab, stride_row,
         NUM_LOGPROBS: tl.constexpr, WRITE_ALLOWED: tl.constexpr, BLOCK: tl.constexpr,
     ):
-        # One program owns one row and passes over it several times; with a program per SM
-        # the rows in flight stay in L2, so the passes after the first are cheap.
-        row = tl.program_id(0)
-        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        # The interpreter's range yields python ints, the compiler's int32 tensors.
+        row64 = tl.cast(row, tl.int64)
+        row_ptr = logits_ptr + row64 * stride_row
         temp = tl.load(temps_ptr + row)
         is_sampled = temp != 0.0
         temp = tl.where(is_sampled, temp, 1.0)
 
         # Pass 1: raw max (first argmax), smallest finite raw value, count of finite values.
-        raw_max = tl.full((), float("-inf"), tl.float32)
-        raw_min = tl.full((), float("inf"), tl.float32)
-        argmax = tl.full((), 0, tl.int32)
-        num_finite = tl.full((), 0, tl.int32)
+        # A lane sees its indices in increasing order, so a strict > keeps its first argmax.
+        maxes = tl.full([BLOCK], float("-inf"), tl.float32)
+        args = tl.zeros([BLOCK], tl.int32)
+        mins = tl.full([BLOCK], float("inf"), tl.float32)
+        finites = tl.zeros([BLOCK], tl.int32)
         for start in range(0, vocab, BLOCK):
             idx, raw = _load_raw(row_ptr, start, vocab, BLOCK)
             finite = raw > float("-inf")
-            block_max = tl.max(raw)
-            block_arg = tl.min(tl.where(raw == block_max, idx, vocab))
-            argmax = tl.where(block_max > raw_max, block_arg, argmax)
-            raw_max = tl.maximum(raw_max, block_max)
-            raw_min = tl.minimum(raw_min, tl.min(tl.where(finite, raw, float("inf"))))
-            num_finite += tl.sum(finite.to(tl.int32))
+            args = tl.where(raw > maxes, idx, args)
+            maxes = tl.maximum(maxes, raw)
+            mins = tl.minimum(mins, tl.where(finite, raw, float("inf")))
+            finites += finite.to(tl.int32)
+        raw_max = tl.max(maxes)
+        argmax = tl.min(tl.where(maxes == raw_max, args, vocab))
+        raw_min = tl.min(mins)
+        num_finite = tl.sum(finites)
         # Rounded division by a positive number is monotone, so a cut on x is the rounded
         # quotient of a cut on the raw values: the searches run on raw values and skip the
         # (multi-instruction) rounded division. Torch divides with rounding; so does div_rn.
@@ -261,10 +275,11 @@ if triton is not None:
                 k_cut = tl.math.div_rn(k_raw, temp)
             top_p = tl.load(top_ps_ptr + row)
             if top_p < 1.0:
-                total = tl.full((), 0.0, tl.float32)
+                totals = tl.zeros([BLOCK], tl.float32)
                 for start in range(0, vocab, BLOCK):
                     _, raw = _load_raw(row_ptr, start, vocab, BLOCK)
-                    total += tl.sum(tl.where(raw >= k_raw, tl.exp2((raw - raw_max) * scale), 0.0))
+                    totals += tl.where(raw >= k_raw, tl.exp2((raw - raw_max) * scale), 0.0)
+                total = tl.sum(totals)
                 lo = tl.maximum(k_raw, raw_min)
                 p_raw = _top_p_cut(row_ptr, vocab, raw_max, scale, k_raw, top_p * total, lo,
                                    raw_max, BLOCK)
@@ -285,41 +300,60 @@ if triton is not None:
         key_a = _mix(key_a ^ (offset & 0xFFFFFFFF).to(tl.uint32))
         key_a = _mix(key_a ^ ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32))
         key_b = _mix(key_a + 0x9E3779B9)
-        best = tl.full((), float("-inf"), tl.float32)
-        token = argmax
-        sum_exp = tl.full((), 0.0, tl.float32)
+        bests = tl.full([BLOCK], float("-inf"), tl.float32)
+        tokens = tl.zeros([BLOCK], tl.int32)
+        sum_exps = tl.zeros([BLOCK], tl.float32)
         num_top = tl.full((), 0, tl.int32)
         for start in range(0, vocab, BLOCK):
             idx, raw = _load_raw(row_ptr, start, vocab, BLOCK)
-            sum_exp += tl.sum(tl.exp(raw - raw_max))
+            sum_exps += tl.exp(raw - raw_max)
             x = tl.math.div_rn(raw, temp)
             allowed = (x > float("-inf")) & (x >= k_cut) & (x >= p_cut)
             allowed &= (x - x_max) >= log_min_p
             if WRITE_ALLOWED:
-                tl.store(allowed_ptr + row.to(tl.int64) * vocab + idx, allowed.to(tl.int8),
+                tl.store(allowed_ptr + row64 * vocab + idx, allowed.to(tl.int8),
                          mask=idx < vocab)
             if is_sampled:
                 h = _mix((idx.to(tl.uint32) * 0x9E3779B1) ^ key_a)
                 h = _mix(h + key_b)
                 u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
                 score = tl.where(allowed, x - tl.log(-tl.log(u)), float("-inf"))
-                block_best = tl.max(score)
-                block_arg = tl.min(tl.where(score == block_best, idx, vocab))
-                token = tl.where(block_best > best, block_arg, token)
-                best = tl.maximum(best, block_best)
+                tokens = tl.where(score > bests, idx, tokens)
+                bests = tl.maximum(bests, score)
             if NUM_LOGPROBS > 0:
                 chosen = (raw >= n_cut) & (raw > float("-inf"))
                 pos = num_top + tl.cumsum(chosen.to(tl.int32), 0) - 1
                 keep = chosen & (pos < NUM_LOGPROBS)
-                out = row.to(tl.int64) * NUM_LOGPROBS + pos
+                out = row64 * NUM_LOGPROBS + pos
                 tl.store(top_vals_ptr + out, raw, mask=keep)
                 tl.store(top_ids_ptr + out, idx.to(tl.int64), mask=keep)
                 num_top += tl.sum(chosen.to(tl.int32))
-        lse = raw_max + tl.log(sum_exp)
+        token = argmax
+        if is_sampled:
+            best = tl.max(bests)
+            token = tl.min(tl.where(bests == best, tokens, vocab))
+        lse = raw_max + tl.log(tl.sum(sum_exps))
         tl.store(tokens_ptr + row, token.to(tl.int64))
         tl.store(lse_ptr + row, lse)
         raw_token = tl.load(row_ptr + token).to(tl.float32)
         tl.store(logprobs_ptr + row, raw_token - lse)
+
+    @triton.jit
+    def _sample_kernel(
+        logits_ptr, temps_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr, offsets_ptr,
+        tokens_ptr, logprobs_ptr, top_vals_ptr, top_ids_ptr, lse_ptr, allowed_ptr,
+        batch, vocab, stride_row,
+        NUM_LOGPROBS: tl.constexpr, WRITE_ALLOWED: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        # A program passes over its row many times. With one program per SM walking the rows,
+        # the rows in flight (132 x 300 KB of bf16 at a 152k vocabulary) stay in L2, so only
+        # the first pass reads HBM; a program per row would keep the whole batch in flight.
+        for row in range(tl.program_id(0), batch, tl.num_programs(0)):
+            _sample_row(
+                row, logits_ptr, temps_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr,
+                offsets_ptr, tokens_ptr, logprobs_ptr, top_vals_ptr, top_ids_ptr, lse_ptr,
+                allowed_ptr, vocab, stride_row, NUM_LOGPROBS, WRITE_ALLOWED, BLOCK,
+            )
 
 
 def _launch(
@@ -357,10 +391,11 @@ def _launch(
     if num_warps is None:
         num_warps = 16 if block >= 4096 else 4
     if batch > 0:
-        _sample_kernel[(batch,)](
+        grid = (min(batch, num_sms(dev)),)
+        _sample_kernel[grid](
             logits, temperatures, top_ks, top_ps, min_ps, seeds, offsets,
             tokens, logprobs, top_vals, top_ids, lse, allowed if allowed is not None else tokens,
-            vocab, logits.stride(0),
+            batch, vocab, logits.stride(0),
             NUM_LOGPROBS=num_logprobs, WRITE_ALLOWED=allowed is not None, BLOCK=block,
             num_warps=num_warps,
         )
