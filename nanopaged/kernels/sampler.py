@@ -192,9 +192,14 @@ if triton is not None:
             count = tl.sum(counts)
             above = tl.min(aboves)
             below = tl.max(belows)
+            # count == k: above is the k-th largest. count == k - 1: the largest x below t has
+            # at least k values >= it and fewer than k above it, so it is the k-th largest.
             if count == k:
                 lo = above
                 hi = above
+            elif count == k - 1:
+                lo = below
+                hi = below
             elif count > k:
                 lo = above
             else:
@@ -206,25 +211,43 @@ if triton is not None:
                    BLOCK: tl.constexpr):
         # The smallest x (>= keep_from) whose strictly-greater mass is <= limit. If the mass of
         # x >= t exceeds limit, the largest x below t is dropped and so is all beneath it.
+        # The mass of the values next to t (ties included) says whether one of them is the
+        # answer, which ends the search a few passes early.
         while lo < hi:
             t = lo * 0.5 + hi * 0.5
             t = tl.where(t <= lo, hi, t)
             masses = tl.zeros([BLOCK], tl.float32)
-            aboves = tl.full([BLOCK], float("inf"), tl.float32)
-            belows = tl.full([BLOCK], float("-inf"), tl.float32)
+            aboves = tl.full([BLOCK], float("inf"), tl.float32)  # smallest x >= t
+            above_masses = tl.zeros([BLOCK], tl.float32)  # mass of the tokens at that x
+            belows = tl.full([BLOCK], float("-inf"), tl.float32)  # largest kept x < t
+            below_masses = tl.zeros([BLOCK], tl.float32)
             for start in range(0, vocab, BLOCK):
                 _, x = _load_raw(row_ptr, start, vocab, BLOCK)
                 ge = x >= t
                 kept = x >= keep_from
-                masses += tl.where(ge & kept, tl.exp2((x - raw_max) * scale), 0.0)
-                aboves = tl.minimum(aboves, tl.where(ge, x, float("inf")))
-                belows = tl.maximum(belows, tl.where(ge | ~kept, float("-inf"), x))
+                e = tl.where(kept, tl.exp2((x - raw_max) * scale), 0.0)
+                masses += tl.where(ge, e, 0.0)
+                a = tl.where(ge, x, float("inf"))
+                above_masses = tl.where(a < aboves, e,
+                                        tl.where(a == aboves, above_masses + e, above_masses))
+                aboves = tl.minimum(aboves, a)
+                b = tl.where(ge | ~kept, float("-inf"), x)
+                below_masses = tl.where(b > belows, e,
+                                        tl.where(b == belows, below_masses + e, below_masses))
+                belows = tl.maximum(belows, b)
+            mass = tl.sum(masses)
             above = tl.min(aboves)
             below = tl.max(belows)
-            if tl.sum(masses) > limit:
+            if mass > limit:
                 lo = above
+                # Mass strictly above `above` within the limit: it is kept, below is not.
+                if mass - tl.sum(tl.where(aboves == above, above_masses, 0.0)) <= limit:
+                    hi = above
             else:
                 hi = below
+                # The value under `below` has more than the limit above it: below is the last.
+                if mass + tl.sum(tl.where(belows == below, below_masses, 0.0)) > limit:
+                    lo = below
         return lo
 
     @triton.jit

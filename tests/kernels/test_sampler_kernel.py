@@ -74,6 +74,20 @@ def test_allowed_set_equals_ref(dtype, vocab, block):
     assert ref[2].sum() == 20 and ref[9].sum() == 1 and ref[10].sum() == 1
 
 
+def test_ties_share_their_fate():
+    # Logits on a 0.25 grid: many ties at every cut-off; a tied group is kept or dropped whole.
+    gen = torch.Generator().manual_seed(2)
+    logits = ((torch.randn(len(SETTINGS), 150, generator=gen) * 2) * 4).round() / 4
+    logits = logits.to(DEVICE)
+    filters = settings_tensors(SETTINGS)
+    got = allowed_mask_fused(logits, *filters, block=64)
+    ref = allowed_mask_ref(logits, *filters)
+    assert torch.equal(got, ref), (got != ref).sum(dim=1)
+    for row in range(len(SETTINGS)):
+        kept = logits[row][ref[row]]
+        assert not (logits[row][~ref[row]] == kept.min()).any()
+
+
 def test_strided_rows_and_masked_tokens():
     # Rows of a wider buffer (as logits_indices leave them), with -inf tokens (min_tokens).
     base = distinct_logits(len(SETTINGS), 150, f32, seed=3)
