@@ -31,15 +31,16 @@ from dataclasses import dataclass
 
 import torch
 
+from nanopaged.kernels.hash_rng import uniform_ref
 from nanopaged.kernels.paged_decode import num_sms
 
 try:
     import triton
     import triton.language as tl
+
+    from nanopaged.kernels.hash_rng import row_keys, uniform
 except ImportError:  # CPU-only installs use sample_ref
     triton = None
-
-_MASK32 = 0xFFFFFFFF
 
 
 @dataclass
@@ -50,44 +51,6 @@ class FusedSample:
     logprobs: torch.Tensor  # [batch] fp32, the sampled token's raw logprob
     top_logprobs: torch.Tensor | None  # [batch, num_logprobs] fp32, descending
     top_token_ids: torch.Tensor | None  # [batch, num_logprobs] int64
-
-
-# ---- the counter-based RNG, in torch (int64 holding uint32) -------------------------------
-
-
-def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
-    # h * c mod 2**32 in 16-bit halves, so no int64 product overflows.
-    lo = h * (c & 0xFFFF)
-    hi = ((h * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & _MASK32
-
-
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    # murmur3's finalizer: every input bit flips about half of the output bits.
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def _row_keys(seeds: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    seeds, offsets = seeds.long(), offsets.long()
-    a = _fmix32((seeds & _MASK32) ^ 0x2545F491)
-    a = _fmix32(a ^ ((seeds >> 32) & _MASK32))
-    a = _fmix32(a ^ (offsets & _MASK32))
-    a = _fmix32(a ^ ((offsets >> 32) & _MASK32))
-    return a, _fmix32((a + 0x9E3779B9) & _MASK32)
-
-
-def uniform_ref(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
-    """u in (0, 1), [batch, vocab] fp32: the kernel's random numbers, bit for bit."""
-    key_a, key_b = _row_keys(seeds.cpu(), offsets.cpu())
-    idx = torch.arange(vocab, dtype=torch.int64)
-    h = _fmix32(_mul32(idx, 0x9E3779B1)[None, :] ^ key_a[:, None])
-    h = _fmix32((h + key_b[:, None]) & _MASK32)
-    # 23 bits plus a half: exact in fp32 and never 0 or 1, so both logs stay finite.
-    return (((h >> 9).float() + 0.5) * 2.0**-23).to(seeds.device)
 
 
 # ---- the reference ----------------------------------------------------------------------
@@ -156,15 +119,6 @@ def sample_ref(
 # ---- the kernel -------------------------------------------------------------------------
 
 if triton is not None:
-
-    @triton.jit
-    def _mix(h):
-        h ^= h >> 16
-        h *= 0x85EBCA6B
-        h ^= h >> 13
-        h *= 0xC2B2AE35
-        h ^= h >> 16
-        return h
 
     @triton.jit
     def _load_raw(row_ptr, start, vocab, BLOCK: tl.constexpr):
@@ -318,11 +272,7 @@ if triton is not None:
         # Last pass: Gumbel-max over the allowed tokens, the raw softmax sum, top-n raw logits.
         seed = tl.load(seeds_ptr + row)
         offset = tl.load(offsets_ptr + row)
-        key_a = _mix((seed & 0xFFFFFFFF).to(tl.uint32) ^ 0x2545F491)
-        key_a = _mix(key_a ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
-        key_a = _mix(key_a ^ (offset & 0xFFFFFFFF).to(tl.uint32))
-        key_a = _mix(key_a ^ ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32))
-        key_b = _mix(key_a + 0x9E3779B9)
+        key_a, key_b = row_keys(seed, offset)
         bests = tl.full([BLOCK], float("-inf"), tl.float32)
         tokens = tl.zeros([BLOCK], tl.int32)
         sum_exps = tl.zeros([BLOCK], tl.float32)
@@ -337,9 +287,7 @@ if triton is not None:
                 tl.store(allowed_ptr + row64 * vocab + idx, allowed.to(tl.int8),
                          mask=idx < vocab)
             if is_sampled:
-                h = _mix((idx.to(tl.uint32) * 0x9E3779B1) ^ key_a)
-                h = _mix(h + key_b)
-                u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+                u = uniform(idx, key_a, key_b)
                 score = tl.where(allowed, x - tl.log(-tl.log(u)), float("-inf"))
                 tokens = tl.where(score > bests, idx, tokens)
                 bests = tl.maximum(bests, score)

@@ -6,12 +6,12 @@ import pytest
 import torch
 from kernel_inputs import DEVICE
 
+from nanopaged.kernels.hash_rng import uniform_ref
 from nanopaged.kernels.sampler import (
     allowed_mask_fused,
     allowed_mask_ref,
     sample_fused,
     sample_ref,
-    uniform_ref,
 )
 
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
@@ -205,8 +205,8 @@ def test_refs_import_without_triton():
 
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "from nanopaged.kernels import sampler\n"
-        "assert sampler.triton is None\n"
+        "from nanopaged.kernels import hash_rng, sampler\n"
+        "assert sampler.triton is None and hash_rng.triton is None\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
