@@ -1,0 +1,83 @@
+"""Counter-based uniform noise: u = hash(seed, offset, index), the same bits in Triton and torch.
+
+A row's noise is a pure function of its (seed, offset) and the token index, so a seeded draw
+does not depend on the batch around it, and the torch twin reproduces the kernel's numbers bit
+for bit (tl.rand's Philox has no torch twin). The mixing is murmur3's 32-bit finalizer, applied
+to the key words in a chain and then to each index twice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs use uniform_ref
+    triton = None
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    # h * c mod 2**32 in 16-bit halves, so no int64 product overflows.
+    lo = h * (c & 0xFFFF)
+    hi = ((h * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _MASK32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    # Every input bit flips about half of the output bits.
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _row_keys(seeds: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    seeds, offsets = seeds.long(), offsets.long()
+    a = _fmix32((seeds & _MASK32) ^ 0x2545F491)
+    a = _fmix32(a ^ ((seeds >> 32) & _MASK32))
+    a = _fmix32(a ^ (offsets & _MASK32))
+    a = _fmix32(a ^ ((offsets >> 32) & _MASK32))
+    return a, _fmix32((a + 0x9E3779B9) & _MASK32)
+
+
+def uniform_ref(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """u in (0, 1), [batch, vocab] fp32, for int64 seeds/offsets [batch]: the kernel's bits."""
+    # int64 tensors hold the uint32 words: torch's uint32 lacks the shifts and products.
+    key_a, key_b = _row_keys(seeds.cpu(), offsets.cpu())
+    idx = torch.arange(vocab, dtype=torch.int64)
+    h = _fmix32(_mul32(idx, 0x9E3779B1)[None, :] ^ key_a[:, None])
+    h = _fmix32((h + key_b[:, None]) & _MASK32)
+    # 23 bits plus a half: exact in fp32 and never 0 or 1, so log(u) and log(-log(u)) are finite.
+    return (((h >> 9).float() + 0.5) * 2.0**-23).to(seeds.device)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mix(h):
+        h ^= h >> 16
+        h *= 0x85EBCA6B
+        h ^= h >> 13
+        h *= 0xC2B2AE35
+        h ^= h >> 16
+        return h
+
+    @triton.jit
+    def row_keys(seed, offset):
+        """(key_a, key_b) uint32 of one row's int64 seed and offset."""
+        key_a = _mix((seed & 0xFFFFFFFF).to(tl.uint32) ^ 0x2545F491)
+        key_a = _mix(key_a ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+        key_a = _mix(key_a ^ (offset & 0xFFFFFFFF).to(tl.uint32))
+        key_a = _mix(key_a ^ ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32))
+        return key_a, _mix(key_a + 0x9E3779B9)
+
+    @triton.jit
+    def uniform(idx, key_a, key_b):
+        """fp32 u in (0, 1) for int32 token indices idx, as uniform_ref computes it."""
+        h = _mix((idx.to(tl.uint32) * 0x9E3779B1) ^ key_a)
+        h = _mix(h + key_b)
+        return ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07

@@ -1,0 +1,420 @@
+"""Fused sort-free sampling: temperature, top-k, top-p, min-p, seeded noise, raw logprobs.
+
+Semantics, per row of logits [batch, vocab], all in fp32 on x = logits / temperature:
+  greedy (temperature == 0): the first argmax of the raw logits.
+  top-k (1 <= k < vocab): keep x >= the k-th largest x (tied tokens share the fate).
+  top-p (< 1): over the top-k set, with e = exp(x - max x) and Z = sum of e over that set,
+      drop a token when the e of the tokens with strictly greater x sums to more than top_p * Z.
+  min-p (> 0): drop a token when x - max x < log(min_p), i.e. p < min_p * p_max.
+  sample: argmax over the allowed tokens of x + g, g = -log(-log(u)) Gumbel noise, u from a
+      counter-based hash of (seed, offset, token index): a row's token depends only on its
+      logits, settings, seed and offset, never on the batch.
+Logprobs are log_softmax of the logits passed in, before temperature (vLLM's raw logprobs).
+min_tokens is the caller's: it sets a banned stop token's logit to -inf (a -inf token is never
+allowed). Penalties are not fused yet: the caller applies layers.sampler.apply_penalties first,
+and then the logprobs are of the penalized logits, where vLLM's are of the logits before
+penalties. The place to fuse them is a first pass writing the penalized row (output counts
+[batch, vocab] int32, prompt mask [batch, vocab] int8) to a scratch row the searches then read,
+keeping the raw row for the logprobs.
+
+Every cut-off is a threshold on x found by bisection over the values, one pass over the row per
+step, so nothing is sorted; each step keeps its bounds on actual element values, so the search
+ends on the exact threshold rather than near it. The searches run on the raw logits (rounded
+division by a positive temperature keeps their order), so the kernel can differ from the
+reference only where two raw values round to one x, or where a token's mass sits within fp32
+summation error of top_p * Z.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanopaged.kernels.hash_rng import uniform_ref
+from nanopaged.kernels.paged_decode import num_sms
+
+try:
+    import triton
+    import triton.language as tl
+
+    from nanopaged.kernels.hash_rng import row_keys, uniform
+except ImportError:  # CPU-only installs use sample_ref
+    triton = None
+
+
+@dataclass
+class FusedSample:
+    """Tokens of one sampling step and, when asked for, their raw logprobs."""
+
+    token_ids: torch.Tensor  # [batch] int64
+    logprobs: torch.Tensor  # [batch] fp32, the sampled token's raw logprob
+    top_logprobs: torch.Tensor | None  # [batch, num_logprobs] fp32, descending
+    top_token_ids: torch.Tensor | None  # [batch, num_logprobs] int64
+
+
+# ---- the reference ----------------------------------------------------------------------
+
+
+def allowed_mask_ref(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+) -> torch.Tensor:
+    """[batch, vocab] bool: the tokens a sampled row may draw (greedy rows: all finite)."""
+    vocab = logits.shape[1]
+    greedy = temperatures == 0
+    temps = torch.where(greedy, torch.ones_like(temperatures), temperatures)
+    # A greedy row ignores its filters: it may take any finite token.
+    top_ks = top_ks.masked_fill(greedy, 0)
+    top_ps = top_ps.masked_fill(greedy, 1.0)
+    min_ps = min_ps.masked_fill(greedy, 0.0)
+    x = logits.float() / temps.float()[:, None]
+    allowed = x > float("-inf")
+    m = x.max(dim=1, keepdim=True).values
+    ks = top_ks.long()
+    use_k = (ks > 0) & (ks < vocab)
+    kth = x.sort(dim=1, descending=True).values.gather(1, (ks.clamp(1, vocab) - 1)[:, None])
+    allowed &= ~use_k[:, None] | (x >= kth)
+    # F(token) = sum of e over allowed tokens with strictly greater x, ties counted together.
+    e = torch.where(allowed, torch.exp(x - m), torch.zeros_like(x))
+    asc, order = x.masked_fill(~allowed, float("-inf")).sort(dim=1)
+    suffix = e.gather(1, order).flip(1).cumsum(1).flip(1)  # suffix[j]: e of asc[j:]
+    suffix = torch.cat([suffix, torch.zeros_like(suffix[:, :1])], dim=1)
+    mass_above = suffix.gather(1, torch.searchsorted(asc, x, right=True))
+    limit = top_ps.float()[:, None] * e.sum(dim=1, keepdim=True)
+    allowed &= (top_ps[:, None] >= 1) | (mass_above <= limit)
+    allowed &= x - m >= torch.log(min_ps.float())[:, None]
+    return allowed
+
+
+def sample_ref(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    num_logprobs: int = 0,
+) -> FusedSample:
+    """Torch reference of sample_fused (same arguments, same tokens)."""
+    raw = logits.float()
+    greedy = raw.argmax(dim=1)
+    temps = torch.where(temperatures == 0, torch.ones_like(temperatures), temperatures)
+    x = raw / temps.float()[:, None]
+    allowed = allowed_mask_ref(logits, temperatures, top_ks, top_ps, min_ps)
+    gumbel = -torch.log(-torch.log(uniform_ref(seeds, offsets, raw.shape[1])))
+    sampled = torch.where(allowed, x + gumbel, float("-inf")).argmax(dim=1)
+    tokens = torch.where(temperatures == 0, greedy, sampled)
+    logprobs = raw.log_softmax(dim=1)
+    top_lp = top_ids = None
+    if num_logprobs > 0:
+        top_lp, top_ids = logprobs.topk(num_logprobs, dim=1)
+    return FusedSample(tokens, logprobs.gather(1, tokens[:, None])[:, 0], top_lp, top_ids)
+
+
+# ---- the kernel -------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _load_raw(row_ptr, start, vocab, BLOCK: tl.constexpr):
+        idx = start + tl.arange(0, BLOCK)
+        raw = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+        return idx, raw
+
+    @triton.jit
+    def _kth_largest(row_ptr, vocab, k, lo, hi, BLOCK: tl.constexpr):
+        # lo <= answer <= hi, both element values: each step moves one bound to an element
+        # strictly inside (lo, hi], so the loop ends on the k-th largest value itself.
+        while lo < hi:
+            t = lo * 0.5 + hi * 0.5
+            t = tl.where(t <= lo, hi, t)
+            # Per-lane accumulators: one cross-thread reduction per pass, not per block.
+            counts = tl.zeros([BLOCK], tl.int32)
+            aboves = tl.full([BLOCK], float("inf"), tl.float32)  # smallest x >= t
+            belows = tl.full([BLOCK], float("-inf"), tl.float32)  # largest x < t
+            for start in range(0, vocab, BLOCK):
+                _, x = _load_raw(row_ptr, start, vocab, BLOCK)
+                ge = x >= t
+                counts += ge.to(tl.int32)
+                aboves = tl.minimum(aboves, tl.where(ge, x, float("inf")))
+                belows = tl.maximum(belows, tl.where(ge, float("-inf"), x))
+            count = tl.sum(counts)
+            above = tl.min(aboves)
+            below = tl.max(belows)
+            # count == k: above is the k-th largest. count == k - 1: the largest x below t has
+            # at least k values >= it and fewer than k above it, so it is the k-th largest.
+            if count == k:
+                lo = above
+                hi = above
+            elif count == k - 1:
+                lo = below
+                hi = below
+            elif count > k:
+                lo = above
+            else:
+                hi = below
+        return lo
+
+    @triton.jit
+    def _top_p_cut(row_ptr, vocab, raw_max, scale, keep_from, limit, lo, hi,
+                   BLOCK: tl.constexpr):
+        # The smallest x (>= keep_from) whose strictly-greater mass is <= limit. If the mass of
+        # x >= t exceeds limit, the largest x below t is dropped and so is all beneath it.
+        # The mass of the values next to t (ties included) says whether one of them is the
+        # answer, which ends the search a few passes early.
+        while lo < hi:
+            t = lo * 0.5 + hi * 0.5
+            t = tl.where(t <= lo, hi, t)
+            masses = tl.zeros([BLOCK], tl.float32)
+            aboves = tl.full([BLOCK], float("inf"), tl.float32)  # smallest x >= t
+            above_masses = tl.zeros([BLOCK], tl.float32)  # mass of the tokens at that x
+            belows = tl.full([BLOCK], float("-inf"), tl.float32)  # largest kept x < t
+            below_masses = tl.zeros([BLOCK], tl.float32)
+            for start in range(0, vocab, BLOCK):
+                _, x = _load_raw(row_ptr, start, vocab, BLOCK)
+                ge = x >= t
+                kept = x >= keep_from
+                e = tl.where(kept, tl.exp2((x - raw_max) * scale), 0.0)
+                masses += tl.where(ge, e, 0.0)
+                a = tl.where(ge, x, float("inf"))
+                above_masses = tl.where(a < aboves, e,
+                                        tl.where(a == aboves, above_masses + e, above_masses))
+                aboves = tl.minimum(aboves, a)
+                b = tl.where(ge | ~kept, float("-inf"), x)
+                below_masses = tl.where(b > belows, e,
+                                        tl.where(b == belows, below_masses + e, below_masses))
+                belows = tl.maximum(belows, b)
+            mass = tl.sum(masses)
+            above = tl.min(aboves)
+            below = tl.max(belows)
+            if mass > limit:
+                lo = above
+                # Mass strictly above `above` within the limit: it is kept, below is not.
+                if mass - tl.sum(tl.where(aboves == above, above_masses, 0.0)) <= limit:
+                    hi = above
+            else:
+                hi = below
+                # The value under `below` has more than the limit above it: below is the last.
+                if mass + tl.sum(tl.where(belows == below, below_masses, 0.0)) > limit:
+                    lo = below
+        return lo
+
+    @triton.jit
+    def _sample_row(
+        row, logits_ptr, temps_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr, offsets_ptr,
+        tokens_ptr, logprobs_ptr, top_vals_ptr, top_ids_ptr, lse_ptr, allowed_ptr,
+        vocab, stride_row,
+        NUM_LOGPROBS: tl.constexpr, WRITE_ALLOWED: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        # The interpreter's range yields python ints, the compiler's int32 tensors.
+        row64 = tl.cast(row, tl.int64)
+        row_ptr = logits_ptr + row64 * stride_row
+        temp = tl.load(temps_ptr + row)
+        is_sampled = temp != 0.0
+        temp = tl.where(is_sampled, temp, 1.0)
+
+        # Pass 1: raw max (first argmax), smallest finite raw value, count of finite values.
+        # A lane sees its indices in increasing order, so a strict > keeps its first argmax.
+        maxes = tl.full([BLOCK], float("-inf"), tl.float32)
+        args = tl.zeros([BLOCK], tl.int32)
+        mins = tl.full([BLOCK], float("inf"), tl.float32)
+        finites = tl.zeros([BLOCK], tl.int32)
+        for start in range(0, vocab, BLOCK):
+            idx, raw = _load_raw(row_ptr, start, vocab, BLOCK)
+            finite = raw > float("-inf")
+            args = tl.where(raw > maxes, idx, args)
+            maxes = tl.maximum(maxes, raw)
+            mins = tl.minimum(mins, tl.where(finite, raw, float("inf")))
+            finites += finite.to(tl.int32)
+        raw_max = tl.max(maxes)
+        argmax = tl.min(tl.where(maxes == raw_max, args, vocab))
+        raw_min = tl.min(mins)
+        num_finite = tl.sum(finites)
+        # Rounded division by a positive number is monotone, so a cut on x is the rounded
+        # quotient of a cut on the raw values: the searches run on raw values and skip the
+        # (multi-instruction) rounded division. Torch divides with rounding; so does div_rn.
+        x_max = tl.math.div_rn(raw_max, temp)
+        scale = 1.4426950408889634 / temp  # exp(x - x_max) as one exp2 of raw values
+
+        k_cut = tl.full((), float("-inf"), tl.float32)
+        k_raw = tl.full((), float("-inf"), tl.float32)
+        p_cut = tl.full((), float("-inf"), tl.float32)
+        log_min_p = tl.full((), float("-inf"), tl.float32)
+        if is_sampled:
+            top_k = tl.load(top_ks_ptr + row)
+            if (top_k > 0) & (top_k < num_finite):
+                k_raw = _kth_largest(row_ptr, vocab, top_k, raw_min, raw_max, BLOCK)
+                k_cut = tl.math.div_rn(k_raw, temp)
+            top_p = tl.load(top_ps_ptr + row)
+            if top_p < 1.0:
+                totals = tl.zeros([BLOCK], tl.float32)
+                for start in range(0, vocab, BLOCK):
+                    _, raw = _load_raw(row_ptr, start, vocab, BLOCK)
+                    totals += tl.where(raw >= k_raw, tl.exp2((raw - raw_max) * scale), 0.0)
+                total = tl.sum(totals)
+                lo = tl.maximum(k_raw, raw_min)
+                p_raw = _top_p_cut(row_ptr, vocab, raw_max, scale, k_raw, top_p * total, lo,
+                                   raw_max, BLOCK)
+                p_cut = tl.math.div_rn(p_raw, temp)
+            min_p = tl.load(min_ps_ptr + row)
+            if min_p > 0.0:
+                log_min_p = tl.log(min_p)
+        n_cut = tl.full((), float("-inf"), tl.float32)
+        if NUM_LOGPROBS > 0:
+            if NUM_LOGPROBS < num_finite:
+                n_cut = _kth_largest(row_ptr, vocab, NUM_LOGPROBS, raw_min, raw_max, BLOCK)
+
+        # Last pass: Gumbel-max over the allowed tokens, the raw softmax sum, top-n raw logits.
+        seed = tl.load(seeds_ptr + row)
+        offset = tl.load(offsets_ptr + row)
+        key_a, key_b = row_keys(seed, offset)
+        bests = tl.full([BLOCK], float("-inf"), tl.float32)
+        tokens = tl.zeros([BLOCK], tl.int32)
+        sum_exps = tl.zeros([BLOCK], tl.float32)
+        num_top = tl.full((), 0, tl.int32)
+        for start in range(0, vocab, BLOCK):
+            idx, raw = _load_raw(row_ptr, start, vocab, BLOCK)
+            sum_exps += tl.exp(raw - raw_max)
+            x = tl.math.div_rn(raw, temp)
+            allowed = (x > float("-inf")) & (x >= k_cut) & (x >= p_cut)
+            allowed &= (x - x_max) >= log_min_p
+            if WRITE_ALLOWED:
+                tl.store(allowed_ptr + row64 * vocab + idx, allowed.to(tl.int8),
+                         mask=idx < vocab)
+            if is_sampled:
+                u = uniform(idx, key_a, key_b)
+                score = tl.where(allowed, x - tl.log(-tl.log(u)), float("-inf"))
+                tokens = tl.where(score > bests, idx, tokens)
+                bests = tl.maximum(bests, score)
+            if NUM_LOGPROBS > 0:
+                chosen = (raw >= n_cut) & (raw > float("-inf"))
+                pos = num_top + tl.cumsum(chosen.to(tl.int32), 0) - 1
+                keep = chosen & (pos < NUM_LOGPROBS)
+                out = row64 * NUM_LOGPROBS + pos
+                tl.store(top_vals_ptr + out, raw, mask=keep)
+                tl.store(top_ids_ptr + out, idx.to(tl.int64), mask=keep)
+                num_top += tl.sum(chosen.to(tl.int32))
+        token = argmax
+        if is_sampled:
+            best = tl.max(bests)
+            token = tl.min(tl.where(bests == best, tokens, vocab))
+        lse = raw_max + tl.log(tl.sum(sum_exps))
+        tl.store(tokens_ptr + row, token.to(tl.int64))
+        tl.store(lse_ptr + row, lse)
+        raw_token = tl.load(row_ptr + token).to(tl.float32)
+        tl.store(logprobs_ptr + row, raw_token - lse)
+
+    @triton.jit
+    def _sample_kernel(
+        logits_ptr, temps_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr, offsets_ptr,
+        tokens_ptr, logprobs_ptr, top_vals_ptr, top_ids_ptr, lse_ptr, allowed_ptr,
+        batch, vocab, stride_row,
+        NUM_LOGPROBS: tl.constexpr, WRITE_ALLOWED: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        # A program passes over its row many times. With one program per SM walking the rows,
+        # the rows in flight (132 x 300 KB of bf16 at a 152k vocabulary) stay in L2, so only
+        # the first pass reads HBM; a program per row would keep the whole batch in flight.
+        for row in range(tl.program_id(0), batch, tl.num_programs(0)):
+            _sample_row(
+                row, logits_ptr, temps_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr,
+                offsets_ptr, tokens_ptr, logprobs_ptr, top_vals_ptr, top_ids_ptr, lse_ptr,
+                allowed_ptr, vocab, stride_row, NUM_LOGPROBS, WRITE_ALLOWED, BLOCK,
+            )
+
+
+def _launch(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    num_logprobs: int,
+    allowed: torch.Tensor | None,
+    block: int | None,
+    num_warps: int | None,
+) -> FusedSample:
+    assert triton is not None, "sample_fused needs triton; use sample_ref"
+    assert logits.dim() == 2 and logits.stride(1) == 1, (logits.shape, logits.stride())
+    assert logits.dtype in (torch.float32, torch.float16, torch.bfloat16), logits.dtype
+    batch, vocab = logits.shape
+    dev = logits.device
+    for t, dtype in ((temperatures, torch.float32), (top_ks, torch.int32),
+                     (top_ps, torch.float32), (min_ps, torch.float32),
+                     (seeds, torch.int64), (offsets, torch.int64)):
+        assert t.shape == (batch,) and t.dtype == dtype and t.device == dev, (t.shape, t.dtype)
+        assert t.is_contiguous()
+    assert 0 <= num_logprobs <= vocab, num_logprobs
+    tokens = torch.empty(batch, dtype=torch.int64, device=dev)
+    logprobs = torch.empty(batch, dtype=torch.float32, device=dev)
+    lse = torch.empty(batch, dtype=torch.float32, device=dev)
+    n = max(num_logprobs, 1)
+    top_vals = torch.full((batch, n), float("-inf"), dtype=torch.float32, device=dev)
+    top_ids = torch.zeros(batch, n, dtype=torch.int64, device=dev)
+    if block is None:
+        block = min(4096, triton.next_power_of_2(vocab))
+    if num_warps is None:
+        num_warps = 16 if block >= 4096 else 4
+    if batch > 0:
+        grid = (min(batch, num_sms(dev)),)
+        _sample_kernel[grid](
+            logits, temperatures, top_ks, top_ps, min_ps, seeds, offsets,
+            tokens, logprobs, top_vals, top_ids, lse, allowed if allowed is not None else tokens,
+            batch, vocab, logits.stride(0),
+            NUM_LOGPROBS=num_logprobs, WRITE_ALLOWED=allowed is not None, BLOCK=block,
+            num_warps=num_warps,
+        )
+    if num_logprobs == 0:
+        return FusedSample(tokens, logprobs, None, None)
+    # The kernel gathers the top-n in vocabulary order; ordering n values is a tiny sort.
+    top_vals, order = top_vals.sort(dim=1, descending=True)
+    return FusedSample(tokens, logprobs, top_vals - lse[:, None], top_ids.gather(1, order))
+
+
+def sample_fused(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    num_logprobs: int = 0,
+    *,
+    block: int | None = None,
+    num_warps: int | None = None,
+) -> FusedSample:
+    """Sample one token per row of logits [batch, vocab] (fp32/bf16/fp16, rows may be strided).
+
+    Per row, on the logits' device: temperatures fp32 (0 = greedy), top_ks int32 (<= 0 or >=
+    vocab = off), top_ps fp32 (1 = off), min_ps fp32 (0 = off), seeds int64, offsets int64.
+    The noise of a row is keyed by (seed, offset): the caller folds the sample index and the
+    output position into offset (e.g. position * n + sample_index), so a row's draw is
+    reproducible and independent of the batch. num_logprobs > 0 also returns the top
+    num_logprobs raw logprobs. The module docstring states the exact semantics.
+    """
+    return _launch(logits, temperatures, top_ks, top_ps, min_ps, seeds, offsets, num_logprobs,
+                   None, block, num_warps)
+
+
+def allowed_mask_fused(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    *,
+    block: int | None = None,
+) -> torch.Tensor:
+    """The kernel's allowed set [batch, vocab] bool, for comparing with allowed_mask_ref."""
+    batch, vocab = logits.shape
+    allowed = torch.zeros(batch, vocab, dtype=torch.int8, device=logits.device)
+    zeros = torch.zeros(batch, dtype=torch.int64, device=logits.device)
+    _launch(logits, temperatures, top_ks, top_ps, min_ps, zeros, zeros, 0, allowed, block, None)
+    return allowed.bool()

@@ -1,0 +1,283 @@
+"""sample_fused (Triton) against sample_ref: allowed sets, tokens, noise, distribution, logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_inputs import DEVICE
+
+from nanopaged.kernels.hash_rng import uniform_ref
+from nanopaged.kernels.sampler import (
+    allowed_mask_fused,
+    allowed_mask_ref,
+    sample_fused,
+    sample_ref,
+)
+
+f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+
+# One row per setting: (temperature, top_k, top_p, min_p). Greedy, each filter alone, pairs,
+# all together, and "off" spelled every way (k <= 0, k >= vocab, p = 1, min_p = 0).
+SETTINGS = [
+    (0.0, 0, 1.0, 0.0),
+    (1.0, 0, 1.0, 0.0),
+    (0.7, 20, 1.0, 0.0),
+    (1.0, 0, 0.9, 0.0),
+    (1.3, 0, 1.0, 0.05),
+    (0.5, 50, 0.8, 0.0),
+    (1.0, 40, 0.95, 0.02),
+    (2.0, -1, 0.5, 0.1),
+    (1.0, 10_000, 0.3, 0.0),
+    (0.8, 1, 1.0, 0.0),
+    (1.0, 0, 1e-6, 0.0),
+    (0.0, 5, 0.5, 0.5),
+]
+
+
+def distinct_logits(batch: int, vocab: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """[batch, vocab] logits with no ties within a row, exactly representable in dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(batch):
+        pool = (torch.randn(8 * vocab, generator=gen) * 3).to(dtype).unique()
+        assert pool.numel() >= vocab, "dtype too coarse for this vocab"
+        rows.append(pool[torch.randperm(pool.numel(), generator=gen)[:vocab]])
+    return torch.stack(rows).to(DEVICE)
+
+
+def settings_tensors(settings, device=DEVICE):
+    temps, ks, ps, min_ps = zip(*settings, strict=True)
+    return (
+        torch.tensor(temps, dtype=torch.float32, device=device),
+        torch.tensor(ks, dtype=torch.int32, device=device),
+        torch.tensor(ps, dtype=torch.float32, device=device),
+        torch.tensor(min_ps, dtype=torch.float32, device=device),
+    )
+
+
+def keys(batch: int, seed0: int = 7, device=DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
+    seeds = torch.arange(batch, dtype=torch.int64, device=device) * 1_000_003 + seed0 - 2**40
+    offsets = torch.arange(batch, dtype=torch.int64, device=device) * 3 + 2**33
+    return seeds, offsets
+
+
+@pytest.mark.parametrize("dtype", [f32, f16, bf16])
+@pytest.mark.parametrize("vocab,block", [(200, 64), (97, 128)])
+def test_allowed_set_equals_ref(dtype, vocab, block):
+    logits = distinct_logits(len(SETTINGS), vocab, dtype, seed=vocab)
+    filters = settings_tensors(SETTINGS)
+    got = allowed_mask_fused(logits, *filters, block=block)
+    ref = allowed_mask_ref(logits, *filters)
+    assert torch.equal(got, ref), (got != ref).sum(dim=1)
+    assert ref.sum(dim=1).min() >= 1
+    # The settings must really cut: top-k alone keeps exactly k, top_p 1e-6 keeps one token.
+    assert ref[2].sum() == 20 and ref[9].sum() == 1 and ref[10].sum() == 1
+
+
+def test_ties_share_their_fate():
+    # Logits on a 0.25 grid: many ties at every cut-off; a tied group is kept or dropped whole.
+    gen = torch.Generator().manual_seed(2)
+    logits = ((torch.randn(len(SETTINGS), 150, generator=gen) * 2) * 4).round() / 4
+    logits = logits.to(DEVICE)
+    filters = settings_tensors(SETTINGS)
+    got = allowed_mask_fused(logits, *filters, block=64)
+    ref = allowed_mask_ref(logits, *filters)
+    assert torch.equal(got, ref), (got != ref).sum(dim=1)
+    for row in range(len(SETTINGS)):
+        kept = logits[row][ref[row]]
+        assert not (logits[row][~ref[row]] == kept.min()).any()
+
+
+def test_strided_rows_and_masked_tokens():
+    # Rows of a wider buffer (as logits_indices leave them), with -inf tokens (min_tokens).
+    base = distinct_logits(len(SETTINGS), 150, f32, seed=3)
+    wide = torch.zeros(len(SETTINGS), 170, device=DEVICE)
+    wide[:, 10:160] = base
+    logits = wide[:, 10:160]
+    logits[:, ::7] = float("-inf")
+    filters = settings_tensors(SETTINGS)
+    got = allowed_mask_fused(logits, *filters, block=64)
+    ref = allowed_mask_ref(logits, *filters)
+    assert torch.equal(got, ref)
+    assert not got[:, ::7].any()
+    out = sample_fused(logits, *filters, *keys(len(SETTINGS)), block=64)
+    assert not (out.token_ids % 7 == 0).any()
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_tokens_and_logprobs_equal_ref(dtype):
+    logits = distinct_logits(len(SETTINGS), 160, dtype, seed=11)
+    filters = settings_tensors(SETTINGS)
+    seeds, offsets = keys(len(SETTINGS))
+    out = sample_fused(logits, *filters, seeds, offsets, num_logprobs=5, block=64)
+    ref = sample_ref(logits, *filters, seeds, offsets, num_logprobs=5)
+    assert torch.equal(out.token_ids, ref.token_ids)
+    greedy = filters[0] == 0
+    assert torch.equal(out.token_ids[greedy], logits.float().argmax(dim=1)[greedy])
+    allowed = allowed_mask_ref(logits, *filters)
+    assert allowed.gather(1, out.token_ids[:, None]).all()
+    raw = logits.float().log_softmax(dim=1)
+    torch.testing.assert_close(out.logprobs, raw.gather(1, out.token_ids[:, None])[:, 0])
+    top, top_ids = raw.topk(5, dim=1)
+    torch.testing.assert_close(out.top_logprobs, top)
+    assert torch.equal(out.top_token_ids, top_ids)
+
+
+def test_rows_independent_and_reproducible():
+    settings = [(1.0, 0, 1.0, 0.0), (0.9, 30, 0.9, 0.0), (1.5, 0, 0.95, 0.01)]
+    logits = distinct_logits(3, 100, f32, seed=5)
+    filters = settings_tensors(settings)
+    seeds, offsets = keys(3)
+    batch = sample_fused(logits, *filters, seeds, offsets, block=64).token_ids
+    again = sample_fused(logits, *filters, seeds, offsets, block=64).token_ids
+    assert torch.equal(batch, again)
+    # Row 1 alone, and row 1 with its neighbours shuffled around it: the same token.
+    alone = sample_fused(logits[1:2], *(t[1:2] for t in filters), seeds[1:2], offsets[1:2],
+                         block=64).token_ids
+    perm = torch.tensor([2, 1, 0], device=DEVICE)
+    mixed = sample_fused(logits[perm], *(t[perm] for t in filters), seeds[perm], offsets[perm],
+                         block=64).token_ids
+    assert alone.item() == batch[1].item() == mixed[1].item()
+    assert torch.equal(mixed[perm], batch)
+
+
+def test_noise_depends_on_seed_and_offset_only():
+    seeds = torch.tensor([1, 1, 2, -1], dtype=torch.int64)
+    offsets = torch.tensor([5, 6, 5, 5], dtype=torch.int64)
+    u = uniform_ref(seeds, offsets, 4096)
+    assert u.min() > 0 and u.max() < 1
+    # Different keys give unrelated streams; each stream looks uniform.
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    assert not torch.equal(u[0], u[3])
+    assert (u.mean(dim=1) - 0.5).abs().max() < 0.02
+    assert torch.equal(uniform_ref(seeds[2:3], offsets[2:3], 4096)[0], u[2])
+
+
+def chi_square_check(tokens: torch.Tensor, probs: torch.Tensor, critical: float) -> None:
+    counts = torch.bincount(tokens.cpu(), minlength=probs.numel()).double()
+    expected = probs.double().cpu() * tokens.numel()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "drew a token outside the allowed set"
+    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum().item()
+    assert stat < critical, stat
+
+
+def filtered_probs(logits_row: torch.Tensor, setting) -> torch.Tensor:
+    filters = settings_tensors([setting], device=logits_row.device)
+    allowed = allowed_mask_ref(logits_row[None], *filters)[0]
+    x = logits_row.float() / setting[0]
+    return x.masked_fill(~allowed, float("-inf")).softmax(dim=0)
+
+
+# (temperature, top_k, top_p, min_p) over 10 tokens; criticals are chi2 at p = 1e-4.
+DIST_SETTINGS = [(1.0, 0, 1.0, 0.0), (0.7, 6, 0.9, 0.0), (1.5, 0, 0.8, 0.05)]
+
+
+@pytest.mark.parametrize("setting", DIST_SETTINGS)
+def test_reference_draws_match_distribution(setting):
+    # The kernel draws the reference's tokens exactly (tests above), so the reference's
+    # frequencies stand for the kernel's; here over 20,000 offsets of one seed.
+    num = 20_000
+    logits_row = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.5, 0.1, -0.3, -0.8, -1.5, -2.5])
+    probs = filtered_probs(logits_row, setting)
+    filters = settings_tensors([setting] * num, device="cpu")
+    offsets = torch.arange(num, dtype=torch.int64)
+    seeds = torch.full((num,), 1234, dtype=torch.int64)
+    tokens = sample_ref(logits_row.expand(num, -1), *filters, seeds, offsets).token_ids
+    chi_square_check(tokens, probs, critical=33.7)  # df <= 9
+
+
+def test_kernel_draws_match_distribution_small():
+    # A hundred interpreter rows: a coarse check of the kernel's own draws.
+    num = 100
+    logits_row = torch.tensor([1.0, 0.5, 0.0, -0.5], device=DEVICE)
+    setting = (1.0, 0, 1.0, 0.0)
+    filters = settings_tensors([setting] * num)
+    offsets = torch.arange(num, dtype=torch.int64, device=DEVICE)
+    seeds = torch.full((num,), 99, dtype=torch.int64, device=DEVICE)
+    tokens = sample_fused(logits_row.expand(num, -1), *filters, seeds, offsets).token_ids
+    chi_square_check(tokens, filtered_probs(logits_row, setting), critical=21.1)  # df 3
+
+
+def test_refs_import_without_triton():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "from nanopaged.kernels import hash_rng, sampler\n"
+        "assert sampler.triton is None and hash_rng.triton is None\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- GPU: the real vocabulary size ------------------------------------------------------
+
+
+def gpu_logits(batch: int, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    return (torch.randn(batch, vocab, device=DEVICE, generator=gen) * 4).to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [bf16, f16, f32])
+def test_gpu_allowed_set_large_vocab(dtype):
+    # bf16 logits of a 152k vocabulary hold ties, and fp32 sums run in different orders, so a
+    # row may differ from the reference only at its cut-off: by tied or borderline tokens.
+    vocab = 151_936
+    settings = SETTINGS * 4
+    logits = gpu_logits(len(settings), vocab, dtype)
+    filters = settings_tensors(settings)
+    got = allowed_mask_fused(logits, *filters)
+    ref = allowed_mask_ref(logits, *filters)
+    diff = (got != ref).sum(dim=1)
+    assert (diff == 0).float().mean() > 0.9, diff
+    assert (diff <= ref.sum(dim=1) // 100 + 2).all(), diff
+
+
+@pytest.mark.gpu
+def test_gpu_tokens_equal_ref():
+    vocab = 151_936
+    settings = SETTINGS * 8
+    logits = gpu_logits(len(settings), vocab, f32)
+    filters = settings_tensors(settings)
+    seeds, offsets = keys(len(settings))
+    out = sample_fused(logits, *filters, seeds, offsets, num_logprobs=5)
+    ref = sample_ref(logits, *filters, seeds, offsets, num_logprobs=5)
+    assert (out.token_ids == ref.token_ids).float().mean() > 0.95
+    torch.testing.assert_close(out.top_logprobs, ref.top_logprobs)
+    torch.testing.assert_close(out.logprobs, ref.logprobs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("setting", DIST_SETTINGS)
+def test_gpu_kernel_draws_match_distribution(setting):
+    num = 50_000
+    logits_row = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.5, 0.1, -0.3, -0.8, -1.5, -2.5],
+                              device=DEVICE)
+    filters = settings_tensors([setting] * num)
+    offsets = torch.arange(num, dtype=torch.int64, device=DEVICE)
+    seeds = torch.full((num,), 4321, dtype=torch.int64, device=DEVICE)
+    tokens = sample_fused(logits_row.expand(num, -1), *filters, seeds, offsets).token_ids
+    chi_square_check(tokens, filtered_probs(logits_row, setting), critical=33.7)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay():
+    # Settings and seeds live on the device: change them in place and replay.
+    logits = gpu_logits(8, 151_936, bf16)
+    filters = settings_tensors(SETTINGS[:8])
+    seeds, offsets = keys(8)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        sample_fused(logits, *filters, seeds, offsets, num_logprobs=3)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sample_fused(logits, *filters, seeds, offsets, num_logprobs=3)
+    for step in range(3):
+        offsets.add_(1)
+        graph.replay()
+        ref = sample_fused(logits, *filters, seeds, offsets, num_logprobs=3)
+        assert torch.equal(out.token_ids, ref.token_ids), step
