@@ -14,9 +14,9 @@ import json
 import statistics
 
 import torch
+from sort_sampler import SamplingTensors, sample
 
 from nanopaged.kernels.sampler import sample_fused
-from nanopaged.layers.sampler import SamplingTensors, sample
 
 VOCAB = 151_936
 BATCHES = [256, 8]

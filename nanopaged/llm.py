@@ -8,13 +8,14 @@ from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 
 import torch
+import xxhash
 from tqdm.auto import tqdm
 
 from nanopaged.config import EngineConfig, ModelConfig, parse_dtype
 from nanopaged.engine.block_manager import BlockManager, KVStats
 from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.model_runner import ModelRunner, kv_bytes_per_block
-from nanopaged.engine.sampling import sample_generator
+from nanopaged.engine.output_processor import find_stop_string
 from nanopaged.engine.scheduler import Scheduler
 from nanopaged.engine.sequence import Sequence, SequenceStatus
 from nanopaged.outputs import CompletionOutput, RequestOutput
@@ -367,14 +368,17 @@ class LLM:
         for prompt_ids, p in zip(token_lists, params):
             seq = Sequence(prompt_ids, p, request_id=str(self._request_counter))
             self._request_counter += 1
-            if p.seed is not None:
-                seq.generator = sample_generator(p.seed, 0, self.device)
+            seq.seed = p.seed if p.seed is not None else self._draw_seed(seq.request_id)
             groups.append(SequenceGroup(seq.request_id, seq))
         self._run(groups, use_tqdm)
         return [
             self._request_output(group, prompt)
             for group, prompt in zip(groups, prompt_list)
         ]
+
+    def _draw_seed(self, request_id: str) -> int:
+        """The seed of a request that has none: from the LLM's seed, so a run reproduces."""
+        return xxhash.xxh64_intdigest(f"{self.config.seed}/{request_id}".encode())
 
     def _check_group_fits(
         self, prompt_len: int, width: int, max_tokens: int, what: str, index: int
@@ -518,23 +522,16 @@ class LLM:
             bar.close()
 
     def _check_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Finish sequences whose text now holds a stop string; returns those still running."""
+        """Finish sequences whose text now holds a stop string; returns those it finished."""
         finished = []
         for seq in seqs:
             p = seq.sampling_params
             if not p.stop or seq.num_output_tokens < p.min_tokens:
                 continue
-            text = self.tokenizer.decode(
-                seq.output_token_ids, skip_special_tokens=p.skip_special_tokens
-            )
-            # Only the tail can hold a stop string that was not there a token ago.
-            start = max(0, getattr(seq, "stop_checked_len", 0) - max(len(s) for s in p.stop))
-            hits = [(text.find(s, start), s) for s in p.stop]
-            hits = [(i, s) for i, s in hits if i >= 0]
-            seq.stop_checked_len = len(text)
-            if hits:
-                idx, stop = min(hits)
-                seq.text = text[: idx + len(stop)] if p.include_stop_str_in_output else text[:idx]
+            hit = find_stop_string(seq, self.tokenizer)
+            if hit is not None:
+                idx, stop, full = hit
+                seq.text = full[: idx + len(stop)] if p.include_stop_str_in_output else full[:idx]
                 if seq.is_finished:  # ended by length or EOS this very step: the string wins
                     seq.finish_reason, seq.stop_reason = "stop", stop
                 else:

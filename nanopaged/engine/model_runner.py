@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,13 @@ from nanopaged.config import EngineConfig, ModelConfig
 from nanopaged.engine.block_tables import BlockTableBuilder
 from nanopaged.engine.cuda_graph import DecodeGraphs
 from nanopaged.engine.sample_output import SampleOutput
-from nanopaged.engine.sampling import mask_early_stops, needs_sample_outputs, sample_sequences
+from nanopaged.engine.sampling import (
+    mask_early_stops,
+    needs_sample_outputs,
+    row_stream,
+    sample_sequences,
+    sampling_tensors,
+)
 from nanopaged.engine.scheduler import ScheduledBatch
 from nanopaged.engine.sequence import Sequence
 from nanopaged.engine.swap import allocate_cpu_kv_cache, run_block_ops
@@ -89,7 +96,6 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = engine_config.block_size
         torch.manual_seed(engine_config.seed)
-        self.generator = torch.Generator(device=device).manual_seed(engine_config.seed)
         # A budget the config fixes is checked before anything is loaded.
         profile = device.type == "cuda" and engine_config.kv_cache_memory is None
         if not profile:
@@ -227,15 +233,13 @@ class ModelRunner:
         ones = torch.ones(rows, device=self.device)
         st = SamplingTensors(
             temperatures=ones,
+            top_ks=torch.full((rows,), max(1, vocab // 2), dtype=torch.int32, device=self.device),
             top_ps=ones * 0.9,
-            top_ks=torch.full((rows,), max(1, vocab // 2), device=self.device),
             min_ps=ones * 0.01,
-            generators=[None] * rows,
-            all_greedy=False,
-            any_top_p_k=True,
-            any_min_p=True,
+            seeds=torch.zeros(rows, dtype=torch.int64, device=self.device),
+            offsets=torch.zeros(rows, dtype=torch.int64, device=self.device),
         )
-        sample(logits, st, self.generator)
+        sample(logits, st, num_logprobs=20)
         logits.log_softmax(-1).topk(min(20, vocab), dim=-1)
 
     # ---- one step ------------------------------------------------------------------------
@@ -294,32 +298,18 @@ class ModelRunner:
         )
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
-        """Per-row settings; reused while consecutive steps sample the same sequences."""
+        """Per-row settings; the greedy flag and seeds are reused while consecutive steps
+        sample the same sequences, the offsets (output positions) are new each step."""
+        params = [s.sampling_params for s in seqs]
+        offsets = [s.num_output_tokens for s in seqs]
         key = tuple(s.seq_id for s in seqs)
         if self._sampling_cache is not None and self._sampling_cache[0] == key:
-            return self._sampling_cache[1]
-        params = [s.sampling_params for s in seqs]
-        vocab = self.model_config.vocab_size
-        # values: [4, batch] = temperature, top_p, top_k, min_p; one host-to-device copy
-        values = torch.tensor(
-            [
-                [p.temperature for p in params],
-                [p.top_p for p in params],
-                [p.top_k if p.top_k > 0 else vocab for p in params],
-                [p.min_p for p in params],
-            ],
-            dtype=torch.float32,
-        ).to(self.device, non_blocking=True)
-        st = SamplingTensors(
-            temperatures=values[0],
-            top_ps=values[1],
-            top_ks=values[2].long(),
-            min_ps=values[3],
-            generators=[getattr(s, "generator", None) for s in seqs],
-            all_greedy=all(p.greedy for p in params),
-            any_top_p_k=any(p.top_p < 1 or 0 < p.top_k < vocab for p in params),
-            any_min_p=any(p.min_p > 0 for p in params),
-        )
+            st = self._sampling_cache[1]
+            if st.all_greedy:
+                return st
+            host = torch.tensor(offsets, dtype=torch.int64)
+            return replace(st, offsets=host.to(self.device, non_blocking=True))
+        st = sampling_tensors(params, [row_stream(s) for s in seqs], offsets, self.device)
         self._sampling_cache = (key, st)
         return st
 
@@ -382,10 +372,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[logits_indices]).float()
         sampled_seqs = [seqs[i] for i in sampling_rows]
         if needs_sample_outputs(sampled_seqs):
-            outputs = sample_sequences(logits, sampled_seqs, eos_token_ids, self.generator)
+            outputs = sample_sequences(logits, sampled_seqs, eos_token_ids)
             return StepHandle(outputs=outputs)
         mask_early_stops(logits, sampled_seqs, eos_token_ids)
-        tokens = sample(logits, self._sampling_tensors(sampled_seqs), self.generator)
+        tokens = sample(logits, self._sampling_tensors(sampled_seqs)).token_ids
         return StepHandle.copy_to_host(tokens)
 
     @staticmethod

@@ -25,15 +25,46 @@ def needs_sample_outputs(seqs: list[Sequence]) -> bool:
     return False
 
 
-def sample_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
-    """The random stream of sample `index` of a request seeded with `seed`.
+def sample_seed(seed: int, index: int) -> int:
+    """The random stream of sample `index` of a request seeded with `seed`, as a signed int64.
 
     Sample 0 uses the seed itself (as n = 1 does); the others a hash of (seed, index), so the
     samples differ from each other and each is reproducible whatever else is in the batch.
     """
     if index:
         seed = xxhash.xxh64_intdigest(f"{seed}:{index}".encode())
-    return torch.Generator(device=device).manual_seed(seed)
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def sampling_tensors(
+    params: list[SamplingParams],
+    seeds: list[int],
+    offsets: list[int],
+    device: torch.device,
+) -> SamplingTensors:
+    """One step's per-row settings, in two host-to-device copies."""
+    # values: [3, batch] = temperature, top_p, min_p; ints: [3, batch] = top_k, seed, offset
+    values = torch.tensor(
+        [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
+        dtype=torch.float32,
+    ).to(device, non_blocking=True)
+    ints = torch.tensor(
+        [[max(p.top_k, 0) for p in params], seeds, offsets], dtype=torch.int64
+    ).to(device, non_blocking=True)
+    return SamplingTensors(
+        temperatures=values[0],
+        top_ps=values[1],
+        min_ps=values[2],
+        top_ks=ints[0].to(torch.int32),
+        seeds=ints[1],
+        offsets=ints[2],
+        all_greedy=all(p.greedy for p in params),
+    )
+
+
+def row_stream(seq: Sequence, index: int | None = None) -> int:
+    """The seed of seq's random stream (of sample `index` for a parent about to fork)."""
+    return sample_seed(seq.seed, seq.index if index is None else index)
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -83,27 +114,8 @@ def mask_early_stops(logits: torch.Tensor, seqs: list[Sequence], eos: set[int]) 
                 logits[i, banned] = float("-inf")
 
 
-def sampling_tensors(
-    params: list[SamplingParams], generators: list[torch.Generator | None], vocab: int, device
-) -> SamplingTensors:
-    top_ks = [p.top_k if p.top_k > 0 else vocab for p in params]
-    return SamplingTensors(
-        temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32).to(device),
-        top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device),
-        top_ks=torch.tensor(top_ks, dtype=torch.long).to(device),
-        min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32).to(device),
-        generators=generators,
-        all_greedy=all(p.greedy for p in params),
-        any_top_p_k=any(p.top_p < 1 or 0 < p.top_k < vocab for p in params),
-        any_min_p=any(p.min_p > 0 for p in params),
-    )
-
-
 def sample_sequences(
-    logits: torch.Tensor,
-    seqs: list[Sequence],
-    eos_token_ids: set[int],
-    generator: torch.Generator | None,
+    logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]
 ) -> list[SampleOutput]:
     """One SampleOutput per sequence (one logits row each, logits: [len(seqs), vocab] fp32).
 
@@ -145,20 +157,16 @@ def sample_sequences(
         for s in row_seqs
     ]
     expand = [r for r, k in enumerate(repeats) for _ in range(k)]
-    params, gens = [], []
+    params, seeds, offsets = [], [], []
     for s, k in zip(row_seqs, repeats):
-        seed = s.sampling_params.seed
         for j in range(k):
             params.append(s.sampling_params)
-            if j == 0 or seed is None:
-                gens.append(s.generator)
-            else:
-                gens.append(sample_generator(seed, j, dev))
+            seeds.append(row_stream(s, j if k > 1 else None))
+            offsets.append(s.num_output_tokens)
     if len(expand) > len(rows):
         sub = sub[torch.tensor(expand, device=dev)]
-    st = sampling_tensors(params, gens, vocab, dev)
-    sampled = sample(sub, st, generator)
-    tokens = sampled.tolist()
+    st = sampling_tensors(params, seeds, offsets, dev)
+    tokens = sample(sub, st).token_ids.tolist()
 
     lp_rows = [r for r in range(len(expand)) if want_logprobs[rows[expand[r]]]]
     sampled_lp: dict[int, float] = {}
@@ -166,7 +174,8 @@ def sample_sequences(
     if lp_rows:
         sel = torch.tensor([rows[expand[r]] for r in lp_rows], device=dev)
         lp = raw[sel]  # [len(lp_rows), vocab]
-        picked = lp.gather(1, sampled[torch.tensor(lp_rows, device=dev)][:, None]).squeeze(1)
+        picked_ids = torch.tensor([tokens[r] for r in lp_rows], device=dev)
+        picked = lp.gather(1, picked_ids[:, None]).squeeze(1)
         k = min(max(seqs[rows[expand[r]]].sampling_params.logprobs or 0 for r in lp_rows), vocab)
         top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
         picked, top_v, top_i = picked.tolist(), top_v.tolist(), top_i.tolist()
@@ -184,7 +193,5 @@ def sample_sequences(
         if want_logprobs[i]:
             out.logprobs = [sampled_lp[e] for e in span]
             out.top_logprobs = [top[e] for e in span]
-        if k > 1:
-            out.generators = [gens[e] for e in span]
         outputs[i] = out
     return outputs

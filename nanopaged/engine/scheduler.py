@@ -317,8 +317,9 @@ class Scheduler:
         """Whether the step after `batch` can be scheduled before its samples are known.
 
         Only plain steps qualify: every running sequence is in the batch and samples one token
-        (single-sample groups, no stop strings), nothing is swapped out, and the free blocks
-        cover every sequence's next token, so scheduling it cannot preempt anything.
+        (no beam, no parent about to fork), nothing is swapped out, and the free blocks cover
+        every sequence's next token, so scheduling it cannot preempt anything. Stop strings are
+        checked when the samples arrive; a sequence they stop drops its in-flight token.
         """
         if self.swapped:
             return False
@@ -329,10 +330,8 @@ class Scheduler:
                 continue
             live += 1
             group = seq.group
-            if (
-                not batch.samples(i)
-                or seq.sampling_params.stop
-                or (group is not None and (group.is_beam_search or group.num_samples > 1))
+            if not batch.samples(i) or (
+                group is not None and (group.is_beam_search or not group.forked)
             ):
                 return False
             need += bm.num_blocks_for(len(seq) + 1) > len(seq.block_table)
@@ -386,12 +385,9 @@ class Scheduler:
         for j in range(1, len(out.token_ids)):
             child = parent.fork()
             child.index = j
-            child.generator = out.generators[j] if out.generators else None
             self.block_manager.fork(parent, child)
             group.add_child(child)
             children.append(child)
-        if out.generators:
-            parent.generator = out.generators[0]
         for j, seq in enumerate([parent] + children):
             _append(seq, out, j)
         return [parent] + children

@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING
 from nanopaged.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    import torch
-
     from nanopaged.engine.group import SequenceGroup
+    from nanopaged.engine.output_processor import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):
@@ -51,14 +50,17 @@ class Sequence:
         # The request this sequence belongs to, and its place among the request's outputs.
         self.group: SequenceGroup | None = None
         self.index = 0
-        # A seeded request's own random stream for this sample (None: the engine's stream).
-        self.generator: torch.Generator | None = None
+        # The request's seed (its own, or one the LLM drew): sample `index` draws its tokens
+        # from the stream of (seed, index), keyed by output position.
+        self.seed = 0
         # Sum of the sampled tokens' logprobs, and per token the top logprobs (when asked).
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] = []
         # Set while the last token is a placeholder for a sample still on the device: its row
         # in that step's sampled tokens (asynchronous scheduling).
         self.pending_row: int | None = None
+        # The output's text so far, kept up to date while stop strings are watched for.
+        self.detokenizer: IncrementalDetokenizer | None = None
 
     def fork(self) -> Sequence:
         """A copy with a new seq_id sharing nothing mutable; the BlockManager shares the KV."""
@@ -69,7 +71,7 @@ class Sequence:
         child.block_table = []
         child.block_hashes = list(self.block_hashes)
         child.logprobs = list(self.logprobs)
-        child.generator = None
+        child.detokenizer = None
         return child
 
     def __len__(self) -> int:

@@ -85,3 +85,36 @@ def test_mixed_features_fall_back_to_sync(model_dir):
     _, sync = _run(model_dir, False, prompts, params)
     _, lookahead = _run(model_dir, True, prompts, params)
     assert [o.token_ids for o in lookahead] == [o.token_ids for o in sync]
+
+
+def test_stop_strings_and_forked_samples_run_ahead(model_dir):
+    """Stop strings are checked as samples arrive and n > 1 samples after their fork are plain
+    rows: both run asynchronously and give exactly the synchronous outputs."""
+    prompts = _prompts(6, seed=4)
+    llm0 = LLM(str(model_dir), kv_cache_memory=1 << 22)
+    # Stop strings taken from the greedy continuations, so several of them do match.
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    texts = [o.outputs[0].text for o in llm0.generate(prompts, greedy, use_tqdm=False)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[t[5:7] or "zz"])
+        for t in texts[:3]
+    ] + [
+        SamplingParams(temperature=0.9, n=3, seed=9 + i, max_tokens=20, ignore_eos=True,
+                       stop=["q"], include_stop_str_in_output=True)
+        for i in range(3)
+    ]  # fmt: skip
+    _, sync = _run(model_dir, False, prompts, params)
+    llm, _ = _run(model_dir, True, prompts, params)
+    lookahead = llm.generate(prompts, params, use_tqdm=False)
+    sync_all = [
+        [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs]
+        for o in LLM(str(model_dir), kv_cache_memory=1 << 22, async_scheduling=False).generate(
+            prompts, params, use_tqdm=False
+        )
+    ]
+    got = [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs]
+           for o in lookahead]  # fmt: skip
+    assert got == sync_all
+    assert sum(c[2] == "stop" for o in got for c in o) >= 3
+    # Most steps ran ahead: only the prefill and the fork steps wait for their samples.
+    assert llm.scheduler.num_advanced_steps >= 10

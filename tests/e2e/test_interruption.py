@@ -148,8 +148,8 @@ def _inject(llm: LLM, monkeypatch, where: str, k: int, exc: type[BaseException])
         wrapper = _fail_on_call(k, exc, layer.forward)
         monkeypatch.setattr(layer, "forward", wrapper)
     elif where == "allocate":  # a group got its blocks but is not running yet
-        wrapper = _fail_on_call(k, exc, llm.block_manager.allocate, after=True)
-        monkeypatch.setattr(llm.block_manager, "allocate", wrapper)
+        wrapper = _fail_on_call(k, exc, llm.block_manager.allocate_group, after=True)
+        monkeypatch.setattr(llm.block_manager, "allocate_group", wrapper)
     elif where == "take_block":  # inside allocate/append_slots, half done
         wrapper = _fail_on_call(k, exc, llm.block_manager._take_free_block)
         monkeypatch.setattr(llm.block_manager, "_take_free_block", wrapper)

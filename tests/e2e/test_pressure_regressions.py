@@ -10,12 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from tiny_models import add_byte_tokenizer, make_tiny_model
 
 from nanopaged import LLM, SamplingParams
 from nanopaged.engine.model_runner import kv_bytes_per_block
-from nanopaged.layers.sampler import SamplingTensors, sample
 
 GREEDY8 = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -207,18 +205,3 @@ def test_progress_rates_count_each_kind_over_its_own_steps(llama, monkeypatch):
     rates.seconds = {"prefill": 0.5, "decode": 2.0}
     rates.tokens = {"prefill": 1000, "decode": 100}
     assert rates.describe() == "prefill 2000 tok/s, decode 50 tok/s"
-
-
-def test_exponential_noise_of_zero_cannot_pick_a_masked_token(monkeypatch):
-    logits = torch.tensor([[0.0, float("-inf"), 1.0]])
-    st = SamplingTensors(
-        temperatures=torch.ones(1), top_ps=torch.ones(1), top_ks=torch.full((1,), 3),
-        min_ps=torch.zeros(1), generators=[None], all_greedy=False, any_top_p_k=False,
-        any_min_p=False,
-    )  # fmt: skip
-
-    def zeros(self, *args, **kwargs):
-        return self.zero_()
-
-    monkeypatch.setattr(torch.Tensor, "exponential_", zeros)
-    assert sample(logits, st, None).item() != 1

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nanopaged.engine.group import SequenceGroup
-from nanopaged.engine.sampling import penalize, sample_generator, sample_sequences
+from nanopaged.engine.sampling import penalize, sample_sequences
 from nanopaged.engine.sequence import Sequence
 from nanopaged.layers.sampler import apply_penalties
 from nanopaged.sampling_params import BeamSearchParams, SamplingParams
@@ -21,7 +21,7 @@ def _group(prompt, output=(), beam: BeamSearchParams | None = None, **params) ->
     seq = Sequence(list(prompt), SamplingParams(**params))
     seq.token_ids += list(output)
     if seq.sampling_params.seed is not None:
-        seq.generator = sample_generator(seq.sampling_params.seed, 0, torch.device("cpu"))
+        seq.seed = seq.sampling_params.seed
     SequenceGroup("r", seq, beam_params=beam)
     return seq
 
@@ -79,14 +79,13 @@ def test_fork_draws_n_reproducible_distinct_samples():
     outs = []
     for _ in range(2):
         parent = _group([1, 2], n=5, seed=11, temperature=1.0)
-        outs.append(sample_sequences(logits, [parent], set(), None)[0])
+        outs.append(sample_sequences(logits, [parent], set())[0])
     first, again = outs
     assert len(first.token_ids) == 5 and first.token_ids == again.token_ids
     assert len(set(first.token_ids)) > 2
-    assert len(first.generators) == 5 and first.generators[0] is not None
     # Sample 0 continues the request's own seeded stream, as n = 1 would.
     single = _group([1, 2], seed=11, temperature=1.0)
-    assert sample_sequences(logits, [single], set(), None)[0].token_ids == first.token_ids[:1]
+    assert sample_sequences(logits, [single], set())[0].token_ids == first.token_ids[:1]
 
 
 def test_logprobs_are_raw_top_k_plus_sampled():
@@ -97,7 +96,7 @@ def test_logprobs_are_raw_top_k_plus_sampled():
         _group([3], [3, 3], logprobs=3, temperature=0.3, repetition_penalty=5.0, seed=0),
         _group([4], logprobs=0, temperature=0),
     ]
-    outs = sample_sequences(logits.clone(), seqs, set(), None)
+    outs = sample_sequences(logits.clone(), seqs, set())
     for out, row in zip(outs, raw):
         token = out.token_ids[0]
         assert out.logprobs == pytest.approx([row[token].item()], abs=1e-6)
@@ -113,7 +112,7 @@ def test_beam_rows_get_their_best_candidates():
     torch.manual_seed(2)
     logits = torch.randn(2, VOCAB)
     seqs = [_group([1], beam=BeamSearchParams(beam_width=2, max_tokens=4)), _group([2])]
-    beam, plain = sample_sequences(logits, seqs, set(), None)
+    beam, plain = sample_sequences(logits, seqs, set())
     values, tokens = logits[0].log_softmax(-1).topk(4)
     assert beam.token_ids == tokens.tolist()
     assert beam.logprobs == pytest.approx(values.tolist())
@@ -124,5 +123,5 @@ def test_min_tokens_still_masks_eos_on_this_path():
     logits = torch.zeros(1, VOCAB)
     logits[0, 5] = 10.0  # EOS would win
     seq = _group([1], min_tokens=2, logprobs=1, temperature=0)
-    out = sample_sequences(logits, [seq], {5}, None)[0]
+    out = sample_sequences(logits, [seq], {5})[0]
     assert out.token_ids != [5]
