@@ -14,10 +14,12 @@ class SampleOutput:
     token_ids: the sampled token; n tokens for a parent about to fork into n samples; the
     2 * beam_width best candidates for a beam. logprobs: each token's logprob under the model's
     raw distribution. top_logprobs: per token, the row's top-k logprobs plus that token's.
+    top_ranks: per token, the 1-based rank of each token of top_logprobs in the raw distribution.
     generators: for a fork, the random stream each of the n samples continues with.
     """
 
     token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
+    top_ranks: list[dict[int, int]] | None = None
     generators: list[torch.Generator | None] | None = None
