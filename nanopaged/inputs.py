@@ -44,14 +44,15 @@ def _unwrap(p: object, index: int) -> PromptType:
         if set(p) == {"prompt_token_ids"} and _is_token_ids(p["prompt_token_ids"]):
             return list(p["prompt_token_ids"])
         raise TypeError(
-            f"prompts[{index}] must be {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}} "
-            f"(nanopaged takes no other prompt keys), got keys {sorted(p)}"
+            f"prompts[{index}] must be a str or a list of int token ids, or {{'prompt': str}} / "
+            "{'prompt_token_ids': [int, ...]} (nanopaged takes no other prompt keys), got keys "
+            f"{sorted(map(str, p))}"
         )
     if _is_token_ids(p):
         return list(p)
     raise TypeError(
-        f"prompts[{index}] must be a str, a list of int token ids or a TextPrompt/TokensPrompt "
-        f"dict, got {type(p).__name__}"
+        f"prompts[{index}] must be a str or a list of int token ids, or a TextPrompt/"
+        f"TokensPrompt dict, got {type(p).__name__}"
     )
 
 
