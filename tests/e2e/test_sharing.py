@@ -238,7 +238,8 @@ def test_logprobs_equal_hf_log_softmax(llama, hf_model):
             top = lp[t].topk(p.logprobs).indices.tolist()
             assert set(d) == set(top) | {token}
             for k, v in d.items():
-                assert v == pytest.approx(lp[t, k].item(), abs=1e-4)
+                assert v.logprob == pytest.approx(lp[t, k].item(), abs=1e-4)
+                assert v.rank == int((lp[t] > lp[t, k]).sum()) + 1  # 1-based, raw distribution
         total = sum(lp[t, tok].item() for t, tok in enumerate(c.token_ids))
         assert c.cumulative_logprob == pytest.approx(total, abs=1e-3)
 
