@@ -80,7 +80,13 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         gen_path = model_dir / "generation_config.json"
         if gen_path.is_file():
-            eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
+            try:
+                gen = json.loads(gen_path.read_text())
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{gen_path} is not a valid generation_config.json: {e}") from e
+            if not isinstance(gen, dict):
+                raise ValueError(f"{gen_path} must hold a JSON object, got {type(gen).__name__}")
+            eos = gen.get("eos_token_id", eos)
         eos_ids = tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
         dtype_name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
         return cls(

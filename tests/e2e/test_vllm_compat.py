@@ -14,6 +14,7 @@ import pytest
 import torch
 from tiny_models import add_byte_tokenizer, make_tiny_model
 
+MAX_MODEL_LEN = 256
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
     "{% if not (continue_final_message and loop.last) %}</>{% endif %}{% endfor %}"
@@ -23,7 +24,8 @@ CHAT_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = make_tiny_model(tmp_path_factory.mktemp("llama"), "llama", max_position_embeddings=96)
+    path = tmp_path_factory.mktemp("llama")
+    make_tiny_model(path, "llama", max_position_embeddings=MAX_MODEL_LEN)
     add_byte_tokenizer(path)
     cfg_path = path / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
@@ -83,7 +85,7 @@ def test_basic_generation_and_prompt_forms(model_dir):
     assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
     assert by_ids.prompt is None
     (unbounded,) = ns["unbounded"]
-    assert len(unbounded.outputs[0].token_ids) == 96 - len(ns["ids"])  # up to max_model_len
+    assert len(unbounded.outputs[0].token_ids) == MAX_MODEL_LEN - len(ns["ids"])
     assert unbounded.outputs[0].finish_reason == "length"
     assert ns["kept"][0].prompt_token_ids == ns["ids"][-5:]
     assert ns["defaults"].temperature == 1.0  # the tiny model's generation_config sets none
@@ -188,13 +190,16 @@ llm = LLM(model=MODEL)
 tokenizer = llm.get_tokenizer()
 forced_id = tokenizer.encode("Z")[0]
 forced = llm.generate("Hello", SamplingParams(max_tokens=6, logit_bias={forced_id: 100}))
-plain = llm.generate(["Hello"] * 4, SamplingParams(temperature=0, max_tokens=12))
+letters = tokenizer.encode("abcdefgh")
+plain = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=12,
+                                             allowed_token_ids=letters))
 bad_words = [tokenizer.decode(plain[0].outputs[0].token_ids[2:4])]
 banned = llm.generate(["Hello"] * 4,
-                      [SamplingParams(temperature=t, seed=i, max_tokens=12, bad_words=bad_words)
+                      [SamplingParams(temperature=t, seed=i, max_tokens=12, bad_words=bad_words,
+                                      allowed_token_ids=letters)
                        for i, t in enumerate([0, 1.0, 1.0, 1.5])])
 allowed_token_ids = tokenizer.encode("abc")
-allowed = llm.generate(["Hello"] * 3, SamplingParams(temperature=1.0, max_tokens=10, seed=1,
+allowed = llm.generate(["Hello"] * 3, SamplingParams(temperature=3.0, max_tokens=10,
                                                       allowed_token_ids=allowed_token_ids))
 """
 
