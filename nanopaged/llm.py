@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Sequence as SequenceABC
@@ -16,14 +17,23 @@ from nanopaged.engine.block_manager import BlockManager, KVStats
 from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.model_runner import ModelRunner, kv_bytes_per_block
 from nanopaged.engine.output_processor import find_stop_string
+from nanopaged.engine.prompt_logprobs import compute_prompt_logprobs
 from nanopaged.engine.scheduler import Scheduler
 from nanopaged.engine.sequence import Sequence, SequenceStatus
-from nanopaged.outputs import CompletionOutput, RequestOutput
+from nanopaged.generation_config import load_sampling_defaults, resolve_generation_config
+from nanopaged.inputs import PromptInput, PromptType, normalize_prompts
+from nanopaged.logits_processors import bad_words_token_ids
+from nanopaged.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionOutput,
+    RequestOutput,
+    to_logprobs,
+)
 from nanopaged.sampling_params import BeamSearchParams, SamplingParams
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
-PromptType = str | list[int]
 
 
 def _resolve_model_dir(model: str | os.PathLike | None) -> Path:
@@ -34,6 +44,33 @@ def _resolve_model_dir(model: str | os.PathLike | None) -> Path:
             f"model must be a path (str or os.PathLike) or None, got {type(model).__name__}"
         )
     return resolve_model(model)
+
+
+def _check_engine_args(
+    model: object, trust_remote_code: object, quantization: object, tensor_parallel_size: object
+) -> None:
+    """vLLM engine arguments nanopaged takes only in the values it supports."""
+    if trust_remote_code is not False:
+        raise ValueError(
+            f"trust_remote_code must be False, got {trust_remote_code!r}: nanopaged runs only its "
+            "own model code and never imports code shipped beside a model"
+        )
+    is_gguf = isinstance(model, (str, os.PathLike)) and str(model).endswith(".gguf")
+    if quantization is not None and not (
+        isinstance(quantization, str) and quantization.lower() == "gguf" and is_gguf
+    ):
+        raise ValueError(
+            f"quantization={quantization!r} is not supported: use None (the checkpoint's "
+            "dtype) or a .gguf model file (quantization='gguf' or None)"
+        )
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int):
+        raise TypeError(
+            f"tensor_parallel_size must be an int, got {type(tensor_parallel_size).__name__}"
+        )
+    if tensor_parallel_size != 1:
+        raise ValueError(
+            f"tensor_parallel_size must be 1 (one device), got {tensor_parallel_size}"
+        )
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
@@ -79,6 +116,25 @@ class _StepRates:
         )
 
 
+def _text_parts_joined(conv: object) -> object:
+    """A conversation whose list-of-text-parts contents (OpenAI's form) are joined into str;
+    anything else is left for the caller's checks."""
+    if not isinstance(conv, SequenceABC) or isinstance(conv, str):
+        return conv
+    out = []
+    for m in conv:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and all(
+            isinstance(part, dict) and part.get("type") == "text" and isinstance(
+                part.get("text"), str
+            )
+            for part in content
+        ):
+            m = {**m, "content": "".join(part["text"] for part in content)}
+        out.append(m)
+    return out
+
+
 class LLM:
     """An offline engine over one model: `LLM(path).generate(prompts, SamplingParams(...))`.
 
@@ -105,7 +161,12 @@ class LLM:
         preemption_mode: str = "recompute",
         swap_space: float = 4.0,
         async_scheduling: bool | None = None,
+        tensor_parallel_size: int = 1,
+        trust_remote_code: bool = False,
+        quantization: str | None = None,
+        generation_config: str | os.PathLike = "auto",
     ) -> None:
+        _check_engine_args(model, trust_remote_code, quantization, tensor_parallel_size)
         self.config = EngineConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -127,6 +188,12 @@ class LLM:
         )
         self.model_dir = _resolve_model_dir(model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
+        gen_path = resolve_generation_config(generation_config, self.model_dir)
+        self._sampling_defaults = load_sampling_defaults(gen_path)
+        try:
+            SamplingParams(**self._sampling_defaults)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{gen_path}: {e}") from None
         limit = self.model_config.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(
@@ -189,6 +256,7 @@ class LLM:
             self.config.preemption_mode,
         )
         self._request_counter = 0
+        self._num_drawn_seeds = 0
 
     @staticmethod
     def _load_tokenizer(path: Path):
@@ -211,32 +279,20 @@ class LLM:
 
     # ---- input validation ----------------------------------------------------------------
     def _normalize_prompts(self, prompts) -> list[PromptType]:
-        if isinstance(prompts, str):
-            return [prompts]
-        if not isinstance(prompts, SequenceABC):
-            raise TypeError(
-                "prompts must be a str, a list of str, a list of token ids or a list of lists "
-                f"of token ids, got {type(prompts).__name__}"
-            )
-        prompts = list(prompts)
-        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-            return [prompts]
-        out: list[PromptType] = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, str):
-                out.append(p)
-            elif isinstance(p, SequenceABC) and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in p
-            ):
-                out.append(list(p))
-            else:
-                raise TypeError(
-                    f"prompts[{i}] must be a str or a list of int token ids, "
-                    f"got {type(p).__name__}"
-                )
-        return out
+        return normalize_prompts(prompts)
 
-    def _tokenize(self, prompt: PromptType, index: int) -> list[int]:
+    def get_tokenizer(self):
+        """The Hugging Face tokenizer in use (None for a model without one)."""
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json defaults (generation_config=
+        "auto"): temperature, top_p, top_k, min_p and repetition_penalty where it sets them."""
+        return SamplingParams(**self._sampling_defaults)
+
+    def _tokenize(
+        self, prompt: PromptType, index: int, truncate_prompt_tokens: int | None = None
+    ) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(
@@ -246,6 +302,9 @@ class LLM:
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = prompt
+        if truncate_prompt_tokens is not None:
+            keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            token_ids = token_ids[-keep:]
         if not token_ids:
             raise ValueError(f"prompts[{index}] is empty: a prompt needs at least one token")
         vocab = self.model_config.vocab_size
@@ -263,7 +322,7 @@ class LLM:
 
     def _normalize_params(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             self._check_params(sampling_params, "sampling_params")
             return [sampling_params] * num_prompts
@@ -298,6 +357,18 @@ class LLM:
             raise ValueError(
                 f"{name}.stop_token_ids holds {bad}, outside the vocabulary [0, {vocab})"
             )
+        for field_name in ("logit_bias", "allowed_token_ids"):
+            ids = getattr(p, field_name) or ()
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(
+                    f"{name}.{field_name} holds {bad}, outside the vocabulary [0, {vocab})"
+                )
+        if p.bad_words and self.tokenizer is None:
+            raise ValueError(
+                f"{name}.bad_words needs a tokenizer, but {self.model_dir} has none; pass "
+                "tokenizer=PATH or use logit_bias"
+            )
         if p.stop and self.tokenizer is None:
             raise ValueError(
                 f"{name}.stop needs a tokenizer to find stop strings, but {self.model_dir} has "
@@ -307,14 +378,21 @@ class LLM:
     # ---- generation ----------------------------------------------------------------------
     def generate(
         self,
-        prompts: str | list[str] | list[int] | list[list[int]],
+        prompts: PromptInput | list[PromptInput],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate completions for every prompt; outputs come back in input order."""
+        """Generate completions for every prompt; outputs come back in input order.
+
+        A prompt is a str, a list of token ids, {"prompt": str} or {"prompt_token_ids": [...]}.
+        sampling_params=None: get_default_sampling_params().
+        """
         prompt_list = self._normalize_prompts(prompts)
         params = self._normalize_params(sampling_params, len(prompt_list))
-        token_lists = [self._tokenize(p, i) for i, p in enumerate(prompt_list)]
+        token_lists = [
+            self._tokenize(p, i, sp.truncate_prompt_tokens)
+            for i, (p, sp) in enumerate(zip(prompt_list, params))
+        ]
         return self._generate(prompt_list, token_lists, params, use_tqdm)
 
     def chat(
@@ -322,14 +400,25 @@ class LLM:
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Generate the assistant's reply to one conversation or a list of them."""
+        """Generate the assistant's reply to one conversation or a list of them.
+
+        A message's content is a str or a list of {"type": "text", "text": str} parts.
+        chat_template: a Jinja template to use instead of the tokenizer's.
+        continue_final_message: render the last (assistant) message open, to be continued.
+        chat_template_kwargs: extra variables for the template.
+        """
         if not isinstance(messages, SequenceABC) or isinstance(messages, str) or not messages:
             raise TypeError(
                 "messages must be a non-empty list of {'role', 'content'} dicts, or a list of "
                 "such lists"
             )
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        conversations = [_text_parts_joined(conv) for conv in conversations]
         for i, conv in enumerate(conversations):
             if not isinstance(conv, SequenceABC) or not conv or not all(
                 isinstance(m, dict)
@@ -341,16 +430,56 @@ class LLM:
                     f"conversation {i} must be a non-empty list of dicts with str 'role' and "
                     "'content'"
                 )
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"the tokenizer of {self.model_dir} has no chat template")
+        flags = {
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+        }
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message=True continues the last message, so it needs "
+                "add_generation_prompt=False"
+            )
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise TypeError(
+                f"chat_template must be a Jinja template str, got {type(chat_template).__name__}"
+            )
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise TypeError(
+                "chat_template_kwargs must be a dict, "
+                f"got {type(chat_template_kwargs).__name__}"
+            )
+        if self.tokenizer is None or not (
+            chat_template or getattr(self.tokenizer, "chat_template", None)
+        ):
+            raise ValueError(
+                f"the tokenizer of {self.model_dir} has no chat template; pass chat_template="
+            )
         params = self._normalize_params(sampling_params, len(conversations))
-        texts = [
-            self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-            for conv in conversations
-        ]
+        texts = []
+        for i, conv in enumerate(conversations):
+            if continue_final_message and conv[-1]["role"] != "assistant":
+                raise ValueError(
+                    f"conversation {i}: continue_final_message needs a final assistant message, "
+                    f"got role {conv[-1]['role']!r}"
+                )
+            texts.append(
+                self.tokenizer.apply_chat_template(
+                    conv,
+                    chat_template=chat_template,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    **(chat_template_kwargs or {}),
+                )
+            )
         token_lists = [
-            self._tokenize(self.tokenizer.encode(t, add_special_tokens=False), i)
-            for i, t in enumerate(texts)
+            self._tokenize(
+                self.tokenizer.encode(t, add_special_tokens=False), i, p.truncate_prompt_tokens
+            )
+            for i, (t, p) in enumerate(zip(texts, params))
         ]
         return self._generate(texts, token_lists, params, use_tqdm)
 
@@ -361,6 +490,9 @@ class LLM:
         params: list[SamplingParams],
         use_tqdm: bool,
     ) -> list[RequestOutput]:
+        params = [
+            self._with_max_tokens(p, len(prompt_ids)) for prompt_ids, p in zip(token_lists, params)
+        ]
         for i, (prompt_ids, p) in enumerate(zip(token_lists, params)):
             what = f"sampling_params n={p.n}"
             self._check_group_fits(len(prompt_ids), p.n, p.max_tokens, what, i)
@@ -368,17 +500,41 @@ class LLM:
         for prompt_ids, p in zip(token_lists, params):
             seq = Sequence(prompt_ids, p, request_id=str(self._request_counter))
             self._request_counter += 1
-            seq.seed = p.seed if p.seed is not None else self._draw_seed(seq.request_id)
+            if p.seed is not None:
+                seq.seed = p.seed
+            elif not p.greedy:
+                seq.seed = self._draw_seed()
+            if p.bad_words:
+                seq.bad_words_token_ids = bad_words_token_ids(p.bad_words, self.tokenizer)
             groups.append(SequenceGroup(seq.request_id, seq))
         self._run(groups, use_tqdm)
-        return [
+        outputs = [
             self._request_output(group, prompt)
             for group, prompt in zip(groups, prompt_list)
         ]
+        for out, prompt_ids, p in zip(outputs, token_lists, params):
+            if p.prompt_logprobs is not None:
+                entries, ranks = compute_prompt_logprobs(self.runner, prompt_ids, p.prompt_logprobs)
+                out.prompt_logprobs = [None, *to_logprobs(entries, ranks, self._token_decoder())]
+        return outputs
 
-    def _draw_seed(self, request_id: str) -> int:
-        """The seed of a request that has none: from the LLM's seed, so a run reproduces."""
-        return xxhash.xxh64_intdigest(f"{self.config.seed}/{request_id}".encode())
+    def _with_max_tokens(self, p: SamplingParams, prompt_len: int) -> SamplingParams:
+        """p, or a copy whose max_tokens=None is made the room left under max_model_len."""
+        if p.max_tokens is not None:
+            return p
+        return dataclasses.replace(p, max_tokens=max(1, self.max_model_len - prompt_len))
+
+    def _token_decoder(self):
+        """token id -> its text, for Logprob.decoded_token (None without a tokenizer)."""
+        if self.tokenizer is None:
+            return None
+        return lambda token: self.tokenizer.decode([token])
+
+    def _draw_seed(self) -> int:
+        """The seed of a sampled request that has none: the next of a stream derived from the
+        LLM's seed, so the same calls on a new LLM reproduce the same samples."""
+        self._num_drawn_seeds += 1
+        return xxhash.xxh64_intdigest(f"{self.config.seed}/{self._num_drawn_seeds}".encode())
 
     def _check_group_fits(
         self, prompt_len: int, width: int, max_tokens: int, what: str, index: int
@@ -404,13 +560,14 @@ class LLM:
 
     def beam_search(
         self,
-        prompts: str | list[str] | list[int] | list[list[int]],
+        prompts: PromptInput | list[PromptInput],
         params: BeamSearchParams,
-        use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
         """Beam search for every prompt; each output holds its best beam_width sequences,
-        best first (see BeamSearchParams). Beams share KV blocks: a candidate forks its parent's
-        blocks and a beam that falls out frees its own."""
+        best first (see BeamSearchParams), their tokens and text starting with the prompt's.
+        Beams share KV blocks: a candidate forks its parent's blocks and a beam that falls out
+        frees its own."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         params.__post_init__()
@@ -427,29 +584,22 @@ class LLM:
             self._request_counter += 1
             groups.append(SequenceGroup(seq.request_id, seq, beam_params=params))
         self._run(groups, use_tqdm)
-        outputs = []
-        for group, prompt, ids in zip(groups, prompt_list, token_lists):
-            completions = [
-                CompletionOutput(
-                    index=i,
-                    text=self._decode(h.token_ids, skip_special_tokens=True),
-                    token_ids=h.token_ids,
-                    cumulative_logprob=h.cumulative_logprob,
-                    logprobs=h.logprobs,
-                    finish_reason=h.finish_reason,
-                )
-                for i, h in enumerate(group.completed_beams)
-            ]
-            outputs.append(
-                RequestOutput(
-                    request_id=group.request_id,
-                    prompt=prompt if isinstance(prompt, str) else None,
-                    prompt_token_ids=list(ids),
-                    outputs=completions,
-                    finished=group.is_finished,
-                )
+        decoder = self._token_decoder()
+        return [
+            BeamSearchOutput(
+                sequences=[
+                    BeamSearchSequence(
+                        tokens=list(ids) + h.token_ids,
+                        logprobs=to_logprobs(h.logprobs, h.logprob_ranks, decoder),
+                        cum_logprob=h.cumulative_logprob,
+                        text=self._decode(list(ids) + h.token_ids, skip_special_tokens=True),
+                        finish_reason=h.finish_reason,
+                    )
+                    for h in group.completed_beams
+                ]
             )
-        return outputs
+            for group, ids in zip(groups, token_lists)
+        ]
 
     def kv_stats(self) -> KVStats:
         """The KV pool now: blocks total/used/shared/cached-free, slot utilization of the used
@@ -550,7 +700,11 @@ class LLM:
             text=text,
             token_ids=seq.output_token_ids,
             cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
-            logprobs=list(seq.logprobs) if with_logprobs else None,
+            logprobs=(
+                to_logprobs(seq.logprobs, seq.logprob_ranks, self._token_decoder())
+                if with_logprobs
+                else None
+            ),
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )

@@ -31,6 +31,14 @@ class SamplingParams:
     once if / as many times as it occurs in the output so far. repetition_penalty > 0: the
     logit of a token seen in the prompt or output is divided by it when positive, multiplied
     when negative (CTRL's penalty). Penalties apply before temperature.
+    max_tokens=None: up to max_model_len less the prompt.
+    prompt_logprobs: per prompt token, the top-`prompt_logprobs` logprobs plus the token's own
+    (RequestOutput.prompt_logprobs; the first entry is None).
+    logit_bias (token id -> bias added to its logit), bad_words (words never to complete: the
+    last token of a word is banned when the output ends with its other tokens) and
+    allowed_token_ids (the only tokens that may be sampled) act on the logits before the
+    penalties; logprobs stay those of the raw distribution.
+    truncate_prompt_tokens: keep only the last k prompt tokens (-1: the last max_model_len).
     """
 
     n: int = 1
@@ -39,7 +47,7 @@ class SamplingParams:
     top_k: int = -1
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -50,10 +58,17 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("n", "top_k", "max_tokens", "min_tokens"):
+        for name in ("n", "top_k", "min_tokens"):
             _check_int(name, getattr(self, name))
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens)
         for name in ("temperature", "top_p", "min_p"):
             _check_number(name, getattr(self, name))
         if self.n < 1:
@@ -77,11 +92,11 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be None or >= 1, got {self.max_tokens}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
@@ -102,10 +117,12 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must hold ints >= 0, got {t!r}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if self.logprobs < 0:
-                raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if value < 0:
+                    raise ValueError(f"{name} must be None or >= 0, got {value}")
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
             _check_number(name, getattr(self, name))
         for name in ("presence_penalty", "frequency_penalty"):
@@ -116,6 +133,49 @@ class SamplingParams:
                 f"repetition_penalty must be a finite number > 0 (1 = none), "
                 f"got {self.repetition_penalty}"
             )
+        self._check_logit_controls()
+
+    def _check_logit_controls(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(
+                    "logit_bias must be a dict of token id -> bias, "
+                    f"got {type(self.logit_bias).__name__}"
+                )
+            for token, bias in self.logit_bias.items():
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    raise ValueError(f"logit_bias keys must be int token ids >= 0, got {token!r}")
+                _check_number(f"logit_bias[{token}]", bias)
+                if not math.isfinite(bias):
+                    raise ValueError(f"logit_bias[{token}] must be finite, got {bias}")
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or not isinstance(self.bad_words, (list, tuple)):
+                raise TypeError(
+                    f"bad_words must be a list of str, got {type(self.bad_words).__name__}"
+                )
+            self.bad_words = list(self.bad_words)
+            for w in self.bad_words:
+                if not isinstance(w, str) or not w.strip():
+                    raise ValueError(f"bad_words must hold non-blank strings, got {w!r}")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)):
+                raise TypeError(
+                    "allowed_token_ids must be a list of int token ids, "
+                    f"got {type(self.allowed_token_ids).__name__}"
+                )
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+            for t in self.allowed_token_ids:
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise ValueError(f"allowed_token_ids must hold ints >= 0, got {t!r}")
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
+                raise ValueError(
+                    "truncate_prompt_tokens must be None, -1 (max_model_len) or >= 1, "
+                    f"got {self.truncate_prompt_tokens}"
+                )
 
     @property
     def greedy(self) -> bool:
@@ -129,6 +189,11 @@ class SamplingParams:
             or self.frequency_penalty != 0
             or self.repetition_penalty != 1
         )
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """logit_bias, bad_words or allowed_token_ids: the logits change before sampling."""
+        return bool(self.logit_bias) or bool(self.bad_words) or self.allowed_token_ids is not None
 
 
 @dataclass

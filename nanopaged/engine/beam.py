@@ -44,10 +44,11 @@ def beam_search_step(
     """
     params = group.beam_params
     assert len(results) == len(group.seqs), "every live beam must step together"
-    candidates: list[tuple[float, Sequence, int, float]] = []
+    candidates: list[tuple[float, Sequence, int, float, int]] = []
     for seq, out in results:
         assert out.logprobs is not None
-        for token, logprob in zip(out.token_ids, out.logprobs):
+        # Candidates come best first: a candidate's rank is its place among them.
+        for rank, (token, logprob) in enumerate(zip(out.token_ids, out.logprobs), start=1):
             cum = seq.cumulative_logprob + logprob
             if token in eos_token_ids and not params.ignore_eos:
                 group.completed_beams.append(
@@ -55,11 +56,12 @@ def beam_search_step(
                         token_ids=seq.output_token_ids + [token],
                         cumulative_logprob=cum,
                         logprobs=seq.logprobs + [{token: logprob}],
+                        logprob_ranks=seq.logprob_ranks + [{token: rank}],
                         finish_reason="stop",
                     )
                 )
             else:
-                candidates.append((cum, seq, token, logprob))
+                candidates.append((cum, seq, token, logprob, rank))
     # Stable sort: ties keep beam order, then each beam's candidate order.
     candidates.sort(key=lambda c: c[0], reverse=True)
     chosen = candidates[: params.beam_width]
@@ -68,7 +70,7 @@ def beam_search_step(
     # before any parent takes its new token, so a child copies the parent's past only.
     claimed: set[int] = set()
     holders: list[Sequence] = []
-    for _, seq, _, _ in chosen:
+    for _, seq, _, _, _ in chosen:
         if seq.seq_id in claimed:
             child = seq.fork()
             block_manager.fork(seq, child)
@@ -77,10 +79,11 @@ def beam_search_step(
         else:
             claimed.add(seq.seq_id)
             holders.append(seq)
-    for holder, (_, _, token, logprob) in zip(holders, chosen):
+    for holder, (_, _, token, logprob, rank) in zip(holders, chosen):
         holder.token_ids.append(token)
         holder.cumulative_logprob += logprob
         holder.logprobs.append({token: logprob})
+        holder.logprob_ranks.append({token: rank})
     for seq in group.seqs:
         if seq.seq_id not in claimed:
             block_manager.free(seq)
@@ -97,6 +100,7 @@ def finalize_beams(group: SequenceGroup, block_manager: BlockManager) -> None:
                 token_ids=seq.output_token_ids,
                 cumulative_logprob=seq.cumulative_logprob,
                 logprobs=list(seq.logprobs),
+                logprob_ranks=list(seq.logprob_ranks),
                 finish_reason="length",
             )
         )

@@ -15,6 +15,7 @@ class BeamHypothesis:
     token_ids: list[int]
     cumulative_logprob: float
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprob_ranks: list[dict[int, int]] = field(default_factory=list)
     finish_reason: str = "length"  # "stop" when it ended with EOS
 
 
@@ -51,7 +52,11 @@ class SequenceGroup:
         # Read by the runner every step for every row, so kept as a plain attribute.
         p = self.sampling_params
         self.needs_sample_outputs = (
-            self.is_beam_search or not self.forked or p.logprobs is not None or p.has_penalties
+            self.is_beam_search
+            or not self.forked
+            or p.logprobs is not None
+            or p.has_penalties
+            or p.has_logit_controls
         )
 
     def mark_forked(self) -> None:

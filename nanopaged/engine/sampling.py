@@ -1,5 +1,5 @@
 """Sampling for steps that need more than one token per row: forks (n > 1), beams, logprobs,
-penalties. Plain steps keep the runner's fast path, which returns bare token ids."""
+penalties, logit controls. Plain steps keep the runner's fast path, which returns bare token ids."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import xxhash
 from nanopaged.engine.sample_output import SampleOutput
 from nanopaged.engine.sequence import Sequence
 from nanopaged.layers.sampler import SamplingTensors, apply_penalties, sample
+from nanopaged.logits_processors import apply_logit_controls
 from nanopaged.sampling_params import SamplingParams
 
 
@@ -20,8 +21,10 @@ def needs_sample_outputs(seqs: list[Sequence]) -> bool:
         if group is not None:
             if group.needs_sample_outputs:
                 return True
-        elif seq.sampling_params.logprobs is not None or seq.sampling_params.has_penalties:
-            return True
+        else:
+            p = seq.sampling_params
+            if p.logprobs is not None or p.has_penalties or p.has_logit_controls:
+                return True
     return False
 
 
@@ -147,7 +150,7 @@ def sample_sequences(
         return outputs
     row_seqs = [seqs[i] for i in rows]
     sub = logits[torch.tensor(rows, device=dev)] if len(rows) < len(seqs) else logits
-    sub = penalize(sub, row_seqs)
+    sub = penalize(apply_logit_controls(sub, row_seqs), row_seqs)
     if sub is logits:
         sub = logits.clone()
     mask_early_stops(sub, row_seqs, eos_token_ids)
@@ -171,6 +174,7 @@ def sample_sequences(
     lp_rows = [r for r in range(len(expand)) if want_logprobs[rows[expand[r]]]]
     sampled_lp: dict[int, float] = {}
     top: dict[int, dict[int, float]] = {}
+    ranks: dict[int, dict[int, int]] = {}
     if lp_rows:
         sel = torch.tensor([rows[expand[r]] for r in lp_rows], device=dev)
         lp = raw[sel]  # [len(lp_rows), vocab]
@@ -178,12 +182,16 @@ def sample_sequences(
         picked = lp.gather(1, picked_ids[:, None]).squeeze(1)
         k = min(max(seqs[rows[expand[r]]].sampling_params.logprobs or 0 for r in lp_rows), vocab)
         top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+        # The sampled token's 1-based rank in the raw distribution (ties share the best rank).
+        picked_rank = ((lp > picked[:, None]).sum(dim=-1) + 1).tolist()
         picked, top_v, top_i = picked.tolist(), top_v.tolist(), top_i.tolist()
         for n, r in enumerate(lp_rows):
             want = seqs[rows[expand[r]]].sampling_params.logprobs or 0
             d = dict(zip(top_i[n][:want], top_v[n][:want]))
+            rank = {t: j + 1 for j, t in enumerate(top_i[n][:want])}
             d[tokens[r]] = picked[n]
-            sampled_lp[r], top[r] = picked[n], d
+            rank.setdefault(tokens[r], picked_rank[n])
+            sampled_lp[r], top[r], ranks[r] = picked[n], d, rank
 
     start = 0
     for i, k in zip(rows, repeats):
@@ -193,5 +201,6 @@ def sample_sequences(
         if want_logprobs[i]:
             out.logprobs = [sampled_lp[e] for e in span]
             out.top_logprobs = [top[e] for e in span]
+            out.top_ranks = [ranks[e] for e in span]
         outputs[i] = out
     return outputs

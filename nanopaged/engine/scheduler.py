@@ -448,3 +448,5 @@ def _append(seq: Sequence, out: SampleOutput, j: int) -> None:
         seq.cumulative_logprob += out.logprobs[j]
     if out.top_logprobs is not None:
         seq.logprobs.append(out.top_logprobs[j])
+    if out.top_ranks is not None:
+        seq.logprob_ranks.append(out.top_ranks[j])

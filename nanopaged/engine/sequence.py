@@ -56,6 +56,10 @@ class Sequence:
         # Sum of the sampled tokens' logprobs, and per token the top logprobs (when asked).
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] = []
+        # Per token of logprobs: token -> its 1-based rank in the raw distribution.
+        self.logprob_ranks: list[dict[int, int]] = []
+        # A request's bad_words as token ids (see logits_processors.bad_words_token_ids).
+        self.bad_words_token_ids: list[list[int]] = []
         # Set while the last token is a placeholder for a sample still on the device: its row
         # in that step's sampled tokens (asynchronous scheduling).
         self.pending_row: int | None = None
@@ -72,6 +76,7 @@ class Sequence:
         child.block_hashes = list(self.block_hashes)
         child.logprobs = list(self.logprobs)
         child.detokenizer = None
+        child.logprob_ranks = list(self.logprob_ranks)
         return child
 
     def __len__(self) -> int:

@@ -16,7 +16,7 @@ import time
 import pytest
 from tiny_models import add_byte_tokenizer, make_tiny_model
 
-from nanopaged import LLM, SamplingParams
+from nanopaged import LLM, Logprob, SamplingParams
 from nanopaged.engine import model_runner
 
 # Tight enough that prefills are chunked and sequences get preempted.
@@ -52,7 +52,7 @@ class Logprobs:
     """Logprobs that compare equal up to fp32 rounding: a prompt read from the prefix cache
     was computed in other chunks than a recomputed one, so its logits differ in the last bits."""
 
-    def __init__(self, steps: list[dict[int, float]] | None) -> None:
+    def __init__(self, steps: list[dict[int, Logprob]] | None) -> None:
         self.steps = steps
 
     def __eq__(self, other: object) -> bool:
@@ -61,7 +61,7 @@ class Logprobs:
         return self.steps is None or (
             [list(d) for d in self.steps] == [list(d) for d in other.steps]
             and all(
-                v == pytest.approx(other_d[t], rel=1e-4, abs=1e-5)
+                v.logprob == pytest.approx(other_d[t].logprob, rel=1e-4, abs=1e-5)
                 for d, other_d in zip(self.steps, other.steps)
                 for t, v in d.items()
             )

@@ -152,12 +152,18 @@ def test_beam_search_equals_reference(beam_model, hf_model, length_penalty, igno
     for prompt, out in zip(BEAM_PROMPTS, outs):
         expected = _reference_beam_search(hf_model, prompt, 3, 8, {eos}, ignore_eos,
                                           length_penalty)  # fmt: skip
-        assert [c.token_ids for c in out.outputs] == [t for t, _ in expected]
-        assert [c.cumulative_logprob for c in out.outputs] == pytest.approx(
+        # vLLM's BeamSearchOutput: each sequence's tokens start with the prompt's.
+        assert all(s.tokens[: len(prompt)] == prompt for s in out.sequences)
+        assert [s.tokens[len(prompt) :] for s in out.sequences] == [t for t, _ in expected]
+        assert [s.cum_logprob for s in out.sequences] == pytest.approx(
             [c for _, c in expected], abs=1e-3
         )
-        assert [c.index for c in out.outputs] == [0, 1, 2]
-    stops = [c.finish_reason for o in outs for c in o.outputs]
+        for s in out.sequences:
+            assert len(s.logprobs) == len(s.tokens) - len(prompt)
+            assert sum(lp.logprob for d in s.logprobs for lp in d.values()) == pytest.approx(
+                s.cum_logprob, abs=1e-4
+            )
+    stops = [s.finish_reason for o in outs for s in o.sequences]
     assert ("stop" in stops) != ignore_eos  # an EOS-ended beam ranks among the best
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
@@ -171,7 +177,7 @@ def _outputs(llm, prompts):
         for o in llm.generate(prompts[:5], sample, use_tqdm=False)
     ]
     beams = [
-        [c.token_ids for c in o.outputs]
+        [s.tokens for s in o.sequences]
         for o in llm.beam_search(prompts[:4], BeamSearchParams(3, 12), use_tqdm=False)
     ]
     return greedy, sampled, beams
@@ -232,7 +238,8 @@ def test_logprobs_equal_hf_log_softmax(llama, hf_model):
             top = lp[t].topk(p.logprobs).indices.tolist()
             assert set(d) == set(top) | {token}
             for k, v in d.items():
-                assert v == pytest.approx(lp[t, k].item(), abs=1e-4)
+                assert v.logprob == pytest.approx(lp[t, k].item(), abs=1e-4)
+                assert v.rank == int((lp[t] > lp[t, k]).sum()) + 1  # 1-based, raw distribution
         total = sum(lp[t, tok].item() for t, tok in enumerate(c.token_ids))
         assert c.cumulative_logprob == pytest.approx(total, abs=1e-3)
 

@@ -153,7 +153,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert seq.block_table[: len(cached)] == cached
         self.scheduled[seq.seq_id] = num_new
 
-    @rule(picks=st.lists(st.integers(0, MAX_SEQS), min_size=2, max_size=3), chunk=st.integers(1, 16))
+    @rule(
+        picks=st.lists(st.integers(0, MAX_SEQS), min_size=2, max_size=3),
+        chunk=st.integers(1, 16),
+    )
     def admit_group(self, picks: list[int], chunk: int) -> None:
         """Admission of a group's waiting sequences (a preempted n > 1 request coming back):
         every prefix lookup first, then one all-or-nothing allocation. A fresh block for one

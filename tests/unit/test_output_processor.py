@@ -10,7 +10,6 @@ import pytest
 from nanopaged.engine.output_processor import IncrementalDetokenizer
 
 
-
 @pytest.fixture(scope="module")
 def byte_tokenizer(tmp_path_factory):
     from tiny_models import add_byte_tokenizer

@@ -1,0 +1,69 @@
+"""Prompt forms vLLM's offline API takes: text, token ids, TextPrompt and TokensPrompt dicts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+from typing import TypedDict
+
+
+class TextPrompt(TypedDict):
+    """A prompt as text: {"prompt": "..."}."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """A prompt as token ids: {"prompt_token_ids": [...]}."""
+
+    prompt_token_ids: list[int]
+
+
+PromptType = str | list[int]  # what a prompt is once its dict form is unwrapped
+PromptInput = str | list[int] | TextPrompt | TokensPrompt
+
+_PROMPT_FORMS = (
+    "a str, a list of token ids, {'prompt': str}, {'prompt_token_ids': [int, ...]}, or a list "
+    "of these"
+)
+
+
+def _is_token_ids(p: object) -> bool:
+    return (
+        isinstance(p, SequenceABC)
+        and not isinstance(p, str)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+    )
+
+
+def _unwrap(p: object, index: int) -> PromptType:
+    if isinstance(p, str):
+        return p
+    if isinstance(p, dict):
+        if set(p) == {"prompt"} and isinstance(p["prompt"], str):
+            return p["prompt"]
+        if set(p) == {"prompt_token_ids"} and _is_token_ids(p["prompt_token_ids"]):
+            return list(p["prompt_token_ids"])
+        raise TypeError(
+            f"prompts[{index}] must be a str or a list of int token ids, or {{'prompt': str}} / "
+            "{'prompt_token_ids': [int, ...]} (nanopaged takes no other prompt keys), got keys "
+            f"{sorted(map(str, p))}"
+        )
+    if _is_token_ids(p):
+        return list(p)
+    raise TypeError(
+        f"prompts[{index}] must be a str or a list of int token ids, or a TextPrompt/"
+        f"TokensPrompt dict, got {type(p).__name__}"
+    )
+
+
+def normalize_prompts(prompts: object) -> list[PromptType]:
+    """prompts in any accepted form -> a list of str or token-id lists (one entry per prompt)."""
+    if isinstance(prompts, (str, dict)):
+        return [_unwrap(prompts, 0)]
+    if not isinstance(prompts, SequenceABC):
+        raise TypeError(f"prompts must be {_PROMPT_FORMS}, got {type(prompts).__name__}")
+    prompts = list(prompts)
+    # A flat list of ints is one prompt of token ids, as in vLLM.
+    if prompts and _is_token_ids(prompts):
+        return [prompts]
+    return [_unwrap(p, i) for i, p in enumerate(prompts)]
