@@ -2,6 +2,7 @@
 
 python bench.py [--model PATH] [--compare hf] [--json PATH]      throughput
 python bench.py --kernels [--json PATH]                           kernel microbenchmarks
+python bench.py --sampling [--json PATH]                          ShareGPT-like, 5 settings
 python bench.py --memory                                          KV memory / sharing figures
 Without --model, a random Qwen3-0.6B-shaped bf16 model is built offline and cached. On a
 machine without CUDA the workload shrinks (stated in the output) so it finishes in minutes.
@@ -128,6 +129,76 @@ def run_hf(model_dir: Path, prompts, max_tokens, num: int) -> dict:
             "hf_tok_per_s": tokens / dt}  # fmt: skip
 
 
+def sharegpt_like(n: int = 400):
+    """BENCH.md's sampling workload: lognormal ShareGPT-like prompt and output lengths."""
+    import math
+
+    rng = random.Random(0)
+    inputs = [min(2000, max(4, int(rng.lognormvariate(math.log(160), 1.0)))) for _ in range(n)]
+    outputs = [min(1500, max(4, int(rng.lognormvariate(math.log(300), 0.9)))) for _ in range(n)]
+    prompts = [[rng.randrange(0, 100000) for _ in range(k)] for k in inputs]
+    return prompts, outputs
+
+
+SAMPLING_SETTINGS = {
+    "greedy": dict(temperature=0),
+    "t0.8 top_p0.95 seed": dict(temperature=0.8, top_p=0.95, seed=True),
+    "top_k40 min_p0.05": dict(temperature=1.0, top_k=40, min_p=0.05),
+    "n=4": dict(temperature=0.8, n=4),
+    "logprobs=5 + stop string": dict(temperature=0.8, logprobs=5, stop=["\x00never\x00"]),
+}
+
+
+def run_sampling(args) -> dict:
+    """The sampling workload under each setting, one process, tok/s and roofline fraction."""
+    from nanopaged import LLM, SamplingParams
+
+    model_dir = Path(args.model) if args.model else random_model(QWEN3_0_6B, "qwen3-0.6b", "cuda")
+    prompts, outputs = sharegpt_like()
+    llm = LLM(str(model_dir), max_model_len=4096, enforce_eager=args.enforce_eager,
+              gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
+    llm.generate([[1, 2, 3, 4]] * 2, SamplingParams(max_tokens=8), use_tqdm=False)
+    bw = copy_bandwidth_tbps()
+    result = {"device": torch.cuda.get_device_name(), "copy_tb_per_s": bw, "settings": {}}
+    for name, setting in SAMPLING_SETTINGS.items():
+        setting = dict(setting)
+        seeded = setting.pop("seed", False)
+        n = setting.get("n", 1)
+        params = [
+            SamplingParams(ignore_eos=True, max_tokens=m, seed=i if seeded else None, **setting)
+            for i, m in enumerate(outputs)
+        ]
+        steps0, ahead0 = llm.scheduler.num_steps, llm.scheduler.num_advanced_steps
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t
+        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        # Roofline: every sample reads its own KV (shared prompt blocks read once per sample).
+        roof_s = decode_roofline_bytes(llm, prompts * n, outputs * n) / (bw * 1e12)
+        row = dict(
+            output_tokens=tokens, seconds=seconds, tok_per_s=tokens / seconds,
+            fraction_of_roofline=roof_s / seconds, preemptions=llm.scheduler.num_preemptions,
+            async_step_fraction=(llm.scheduler.num_advanced_steps - ahead0)
+            / max(1, llm.scheduler.num_steps - steps0),
+        )  # fmt: skip
+        result["settings"][name] = row
+        print(
+            f"{name:28s} {tokens:7d} tok {seconds:6.2f} s {row['tok_per_s']:8.0f} tok/s "
+            f"{100 * row['fraction_of_roofline']:5.1f}% of roofline, "
+            f"{100 * row['async_step_fraction']:3.0f}% async",
+            flush=True,
+        )
+    base = result["settings"]["greedy"]["tok_per_s"]
+    for name, row in result["settings"].items():
+        row["of_greedy"] = row["tok_per_s"] / base
+        print(f"{name:28s} {row['of_greedy']:.2f}x of greedy")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -145,6 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default=None, help="write every figure here")
     parser.add_argument("--kernels", action="store_true", help="kernel microbenchmarks")
     parser.add_argument("--memory", action="store_true", help="KV memory and sharing figures")
+    parser.add_argument("--sampling", action="store_true", help="ShareGPT-like, 5 samplings")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     args, rest = parser.parse_known_args(argv)
 
     root = Path(__file__).resolve().parent
@@ -152,7 +225,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.kernels:
         import kernel_bench
 
-        return kernel_bench.main(rest + (["--json", args.json] if args.json else []))
+        rows = kernel_bench.main(rest + (["--json", args.json] if args.json else []))
+        import sampler_bench
+
+        sampler_rows = sampler_bench.run_sampler_bench("cuda")
+        if args.json:
+            out = Path(args.json)
+            out.with_name(out.stem + "_sampler.json").write_text(json.dumps(sampler_rows, indent=2))
+        return rows + sampler_rows
     if args.memory:
         import memory_bench
 
@@ -162,6 +242,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     from nanopaged import LLM, SamplingParams
 
+    if args.sampling:
+        return run_sampling(args)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     num_seqs = args.num_seqs or (256 if cuda else 16)
@@ -180,9 +262,11 @@ def main(argv: list[str] | None = None) -> dict:
     prompts, max_tokens = workload(num_seqs, max_in, max_out)
 
     t = time.perf_counter()
-    llm = LLM(str(model_dir), max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
+    llm = LLM(str(model_dir), max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+              gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
     load_s = time.perf_counter() - t
     llm.generate([[1, 2, 3, 4]] * 2, SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    steps0, ahead0 = llm.scheduler.num_steps, llm.scheduler.num_advanced_steps
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
     if cuda:
         torch.cuda.synchronize()
@@ -204,6 +288,9 @@ def main(argv: list[str] | None = None) -> dict:
         "kv_blocks": llm.runner.num_blocks,
         "preemptions": llm.scheduler.num_preemptions,
         "enforce_eager": args.enforce_eager,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "async_step_fraction": (llm.scheduler.num_advanced_steps - ahead0)
+        / max(1, llm.scheduler.num_steps - steps0),
     }
     if cuda:
         bw = copy_bandwidth_tbps()
@@ -219,7 +306,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"{result['device']}: {output_tokens} output tokens in {seconds:.2f} s = "
         f"{result['tok_per_s']:.0f} tok/s ({num_seqs} requests, {result['prompt_tokens']} "
-        f"prompt tokens, {result['preemptions']} preemptions)"
+        f"prompt tokens, {result['preemptions']} preemptions, "
+        f"{100 * result['async_step_fraction']:.0f}% of steps asynchronous)"
     )
     if cuda:
         print(

@@ -83,6 +83,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_advanced_steps = 0  # steps whose successor was planned before their samples
+        self.num_steps = 0  # steps scheduled with work in them
 
     def add(self, item: Sequence | SequenceGroup) -> SequenceGroup:
         """Queue a request; a bare Sequence becomes a group of one."""
@@ -232,6 +233,7 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(group)
             budget -= num_tokens
+        self.num_steps += bool(batch.seqs)
         return batch
 
     def _admit(self, group: SequenceGroup, budget: int, batch: ScheduledBatch) -> int | None:
