@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import torch
 from tqdm.auto import tqdm
 
 from nanopaged.config import EngineConfig, ModelConfig, parse_dtype
+from nanopaged.distributed.parallel import check_tp_shapes
+from nanopaged.distributed.workers import TPWorkers, check_device_count
 from nanopaged.engine.block_manager import BlockManager, KVStats
 from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.model_runner import ModelRunner
@@ -80,7 +83,10 @@ class LLM:
         preemption_mode: str = "recompute",
         swap_space: float = 4.0,
         async_scheduling: bool | None = None,
+        tensor_parallel_size: int = 1,
+        load_format: str = "auto",
     ) -> None:
+        self._workers: TPWorkers | None = None
         self.config = EngineConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -94,6 +100,8 @@ class LLM:
             preemption_mode=preemption_mode,
             swap_space=swap_space,
             async_scheduling=async_scheduling,
+            tensor_parallel_size=tensor_parallel_size,
+            load_format=load_format,
         )
         requested_dtype = parse_dtype(dtype)
         self.device = _resolve_device(device)
@@ -122,24 +130,43 @@ class LLM:
                 f"got {type(tokenizer).__name__}"
             )
         self.tokenizer = self._load_tokenizer(Path(tokenizer) if tokenizer else self.model_dir)
-        self.runner = ModelRunner(
-            self.model_dir,
-            self.model_config,
-            self.config,
-            self.max_model_len,
-            self.device,
-            self.dtype,
+        runner_kwargs = dict(
+            model_dir=self.model_dir,
+            model_config=self.model_config,
+            engine_config=self.config,
+            max_model_len=self.max_model_len,
+            dtype=self.dtype,
+            load_format=load_format,
         )
-        num_cpu_blocks = 0
-        if self.config.preemption_mode == "swap":
-            per_block = self.runner.kv_bytes_per_block
-            num_cpu_blocks = int(self.config.swap_space * 2**30) // per_block
-            if num_cpu_blocks == 0:
-                raise ValueError(
-                    f"swap_space={swap_space} GiB holds no KV block ({per_block} bytes each); "
-                    "raise swap_space"
-                )
-            self.runner.allocate_swap_space(num_cpu_blocks)
+        if tensor_parallel_size > 1:
+            c = self.model_config
+            check_tp_shapes(c.num_heads, c.num_kv_heads, c.intermediate_size, tensor_parallel_size)
+            check_device_count(tensor_parallel_size, self.device)
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", 0)  # rank r runs on cuda:r
+            self._workers = TPWorkers(tensor_parallel_size, self.device, runner_kwargs)
+            # Workers end with this LLM: on shutdown(), deletion or interpreter exit.
+            self._finalizer = weakref.finalize(self, self._workers.shutdown)
+        try:
+            self.runner = ModelRunner(
+                **runner_kwargs,
+                device=self.device,
+                tp=self._workers.tp if self._workers else None,
+                workers=self._workers,
+            )
+            num_cpu_blocks = 0
+            if self.config.preemption_mode == "swap":
+                per_block = self.runner.kv_bytes_per_block
+                num_cpu_blocks = int(self.config.swap_space * 2**30) // per_block
+                if num_cpu_blocks == 0:
+                    raise ValueError(
+                        f"swap_space={swap_space} GiB holds no KV block ({per_block} bytes "
+                        "each); raise swap_space"
+                    )
+                self.runner.allocate_swap_space(num_cpu_blocks)
+        except BaseException:
+            self.shutdown()
+            raise
         self.block_manager = BlockManager(
             self.runner.num_blocks, block_size, self.config.enable_prefix_caching, num_cpu_blocks
         )
@@ -156,6 +183,17 @@ class LLM:
             self.config.preemption_mode,
         )
         self._request_counter = 0
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any; the LLM cannot generate afterwards."""
+        if self._workers is not None:
+            self._workers.shutdown(abort=not self._workers.alive)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     @staticmethod
     def _load_tokenizer(path: Path):
@@ -480,6 +518,8 @@ class LLM:
             # No request outlives this call, so no block may stay held, even one that a step
             # cut short left outside the scheduler's lists.
             self.block_manager.free_all()
+            if self._workers is not None:
+                self._workers.after_error()  # a step cut short leaves workers out of step
             raise
         finally:
             bar.close()

@@ -54,6 +54,20 @@ class TensorParallel:
             self._failed(e)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's value (rank 0 device's memory may differ from rank 1's)."""
+        if self.size == 1:
+            return value
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(
+            self.group
+        ) == "nccl" else torch.device("cpu")  # fmt: skip
+        x = torch.tensor([value], dtype=torch.int64, device=device)
+        try:
+            dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.group)
+        except RuntimeError as e:
+            self._failed(e)
+        return int(x.item())
+
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x on every rank, in place."""
         if self.size == 1:
