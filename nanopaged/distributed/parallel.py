@@ -81,11 +81,6 @@ class TensorParallel:
 
 def check_tp_shapes(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
     """ValueError unless the attention heads and the MLP split evenly over `size` ranks."""
-    if intermediate_size % size:
-        raise ValueError(
-            f"tensor_parallel_size={size} must divide the model's intermediate_size "
-            f"({intermediate_size})"
-        )
     if num_heads % size:
         raise ValueError(
             f"tensor_parallel_size={size} must divide the model's num_attention_heads "
@@ -100,6 +95,11 @@ def check_tp_shapes(num_heads: int, num_kv_heads: int, intermediate_size: int, s
         raise ValueError(
             f"with more ranks than KV heads, tensor_parallel_size={size} must be a multiple of "
             f"num_key_value_heads ({num_kv_heads}) so each rank copies one whole KV head"
+        )
+    if intermediate_size % size:
+        raise ValueError(
+            f"tensor_parallel_size={size} must divide the model's intermediate_size "
+            f"({intermediate_size})"
         )
 
 

@@ -50,6 +50,11 @@ class TPWorkers:
 
         runner_kwargs: ModelRunner's arguments except device, tp and workers.
         """
+        if dist.is_initialized():
+            raise RuntimeError(
+                "one tensor-parallel LLM per process at a time: shut the other down first "
+                "(LLM.shutdown(), or `with LLM(...) as llm:`)"
+            )
         self.size = size
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.error: WorkerError | None = None
