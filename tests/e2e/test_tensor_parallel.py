@@ -61,9 +61,17 @@ def test_tp_greedy_matches_hf(tmp_path, family):
     path = make_tiny_model(tmp_path / family, family, **overrides)
     prompts = _prompts(overrides.get("vocab_size", 512))
     expected = hf_greedy(path, prompts, MAX_TOKENS)
-    # Small steps: 100-token prompts are prefilled in chunks; qwen3 also plans ahead.
+    # Small steps: 100-token prompts are prefilled in chunks; qwen3 also plans ahead; llama's
+    # pool holds 24 blocks of 8 (the batch needs ~60), so groups are swapped out and back.
     kw = dict(block_size=8, max_num_batched_tokens=48, kv_cache_memory=1 << 22)
-    with LLM(str(path), tensor_parallel_size=2, async_scheduling=family == "qwen3", **kw) as llm:
+    tp_kw = dict(kw, tensor_parallel_size=2, async_scheduling=family == "qwen3")
+    if family == "llama":
+        per_block = 2 * 2 * 8 * 1 * 16 * 4  # K and V, 2 layers, 8 tokens, 1 KV head per rank
+        tp_kw.update(kv_cache_memory=24 * per_block, max_model_len=128,
+                     preemption_mode="swap", swap_space=0.01)  # fmt: skip
+    with LLM(str(path), **tp_kw) as llm:
+        if family == "llama":
+            assert llm.block_manager.num_blocks == 24
         free_before = llm.block_manager.num_free_blocks
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
@@ -73,6 +81,7 @@ def test_tp_greedy_matches_hf(tmp_path, family):
         assert sum(o.num_cached_tokens for o in outs) > 0
         assert llm.block_manager.num_free_blocks == free_before
         if family == "llama":
+            assert llm.scheduler.num_preemptions > 0
             # n > 1 seeded samples: rank 0 samples, so they equal a single rank's.
             params = SamplingParams(n=3, temperature=1.0, top_p=0.9, seed=7, max_tokens=8)
             got = llm.generate(prompts[:2], params, use_tqdm=False)
@@ -114,6 +123,54 @@ def test_workers_end_with_their_llm(llama_dir):
     del llm
     gc.collect()
     assert _wait_no_workers() == []
+
+
+def test_workers_exit_when_the_driver_is_killed(llama_dir, tmp_path):
+    """A driver killed outright (no atexit, no finalizer) takes its workers with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import multiprocessing as mp, sys, time\n"
+        "from nanopaged import LLM\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = LLM({str(llama_dir)!r}, tensor_parallel_size=2, kv_cache_memory=1 << 22)\n"
+        "    print(*[p.pid for p in mp.active_children()], flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env,
+                              text=True)  # fmt: skip
+    try:
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert pids
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    deadline = time.monotonic() + 10
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in pids if _pid_alive(p)]
+    assert alive == []
+
+
+def _pid_alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by init) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_unsplittable_shapes_fail_before_starting(llama_dir):
