@@ -61,6 +61,10 @@ class TPWorkers:
         self._failed = threading.Event()
         self._closed = False
         self._step_open = False
+        if self.backend == "nccl":
+            # On a collective error NCCL's watchdog would by default kill the whole process,
+            # i.e. the caller's: only abort the communicator, so a WorkerError can be raised.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         ctx = mp.get_context("spawn")  # fork would copy a CUDA context and our threads
         store = dist.TCPStore(
             "127.0.0.1", 0, size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
