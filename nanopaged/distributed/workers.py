@@ -115,15 +115,21 @@ class TPWorkers:
                 if rank is not None and rank in pending:
                     conn = pending[rank]
                     if not conn.poll(1.0):
-                        code = self.procs[rank - 1].exitcode
-                        raise WorkerError(f"tensor-parallel worker {rank} exited ({code})")
+                        raise self._exited(rank)
                     obj = conn
                 if obj in pending.values():
                     rank = next(r for r, c in pending.items() if c is obj)
-                    kind, payload = obj.recv()
+                    try:
+                        kind, payload = obj.recv()
+                    except EOFError:  # closed without a word: it died
+                        raise self._exited(rank) from None
                     if kind == "error":
                         raise WorkerError(f"tensor-parallel worker {rank} failed:\n{payload}")
                     del pending[rank]
+
+    def _exited(self, rank: int) -> WorkerError:
+        code = self.procs[rank - 1].exitcode
+        return WorkerError(f"tensor-parallel worker {rank} exited (exit code {code})")
 
     def _watch(self) -> None:
         """Monitor thread: the first worker error or death becomes self.error."""
