@@ -22,6 +22,13 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+def _shard(loaded: torch.Tensor, full_shape: tuple, dim: int, start: int, length: int):
+    """This rank's slice of a checkpoint tensor, after checking the tensor is whole."""
+    if tuple(loaded.shape) != tuple(full_shape):
+        raise ValueError(f"weight shape {tuple(loaded.shape)} does not fit {tuple(full_shape)}")
+    return loaded.narrow(dim, start, length)
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b), weight [output_size, input_size], the same on every rank."""
 
@@ -55,7 +62,8 @@ class ColumnParallelLinear(Linear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         assert shard_id is None
         size = param.shape[0]
-        default_weight_loader(param, loaded.narrow(0, self.tp.rank * size, size))
+        full = (size * self.tp.size, *param.shape[1:])
+        default_weight_loader(param, _shard(loaded, full, 0, self.tp.rank * size, size))
 
 
 class MergedColumnParallelLinear(Linear):
@@ -75,16 +83,18 @@ class MergedColumnParallelLinear(Linear):
         local = [tp.shard(s) for s in output_sizes]
         super().__init__(input_size, sum(local), bias)
         self.tp = tp
-        # shard id -> (offset in this rank's weight, rows, first row in the checkpoint tensor)
+        # shard id -> (offset in this rank's weight, rows, first row in the checkpoint tensor,
+        # rows of the checkpoint tensor)
         self.shard_offsets: dict = {}
         offset = 0
-        for shard_id, size in zip(shard_ids, local):
-            self.shard_offsets[shard_id] = (offset, size, tp.rank * size)
+        for shard_id, size, full in zip(shard_ids, local, output_sizes):
+            self.shard_offsets[shard_id] = (offset, size, tp.rank * size, full)
             offset += size
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        offset, size, start = self.shard_offsets[shard_id]
-        default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
+        offset, size, start, full = self.shard_offsets[shard_id]
+        dst = param.data.narrow(0, offset, size)
+        default_weight_loader(dst, _shard(loaded, (full, *dst.shape[1:]), 0, start, size))
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -110,9 +120,9 @@ class QKVParallelLinear(MergedColumnParallelLinear):
             hidden_size, [q_rows * tp.size, kv_rows * tp.size, kv_rows * tp.size],
             ["q", "k", "v"], bias, tp,
         )  # fmt: skip
-        kv_start = first_kv_head * head_dim
-        self.shard_offsets["k"] = (q_rows, kv_rows, kv_start)
-        self.shard_offsets["v"] = (q_rows + kv_rows, kv_rows, kv_start)
+        kv_start, kv_full = first_kv_head * head_dim, num_kv_heads * head_dim
+        self.shard_offsets["k"] = (q_rows, kv_rows, kv_start, kv_full)
+        self.shard_offsets["v"] = (q_rows + kv_rows, kv_rows, kv_start, kv_full)
 
 
 class RowParallelLinear(Linear):
@@ -131,7 +141,8 @@ class RowParallelLinear(Linear):
             default_weight_loader(param, loaded)
             return
         size = param.shape[1]
-        default_weight_loader(param, loaded.narrow(1, self.tp.rank * size, size))
+        full = (param.shape[0], size * self.tp.size)
+        default_weight_loader(param, _shard(loaded, full, 1, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
