@@ -234,7 +234,11 @@ def main(argv: list[str] | None = None) -> dict:
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     result = {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "model": str(args.model or "random Qwen3-0.6B shape, bf16" if cuda else "tiny random"),
+        "model": str(
+            args.model
+            or (f"{args.model_shape} shape, dummy weights" if args.model_shape else None)
+            or ("random Qwen3-0.6B shape, bf16" if cuda else "tiny random")
+        ),
         "requests": num_seqs,
         "prompt_tokens": sum(map(len, prompts)),
         "output_tokens": output_tokens,

@@ -229,10 +229,13 @@ def test_gpu_tp2_equals_tp1(tmp_path, family):
     vocab = GPU_SHAPES[family].get("vocab_size", 512)
     prompts = _prompts(vocab, seed=1) + [[7] * 33, list(range(3, 60))]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    kw = dict(dtype="float32", max_num_seqs=16, max_model_len=512, block_size=16)
+    # Each LLM takes a share of the GPU, so the single-rank one need not be freed first.
+    kw = dict(dtype="float32", max_num_seqs=16, max_model_len=512, block_size=16,
+              gpu_memory_utilization=0.4)  # fmt: skip
     single = LLM(str(path), **kw)
     want = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
     del single
+    gc.collect()
     torch.cuda.empty_cache()
     with LLM(str(path), tensor_parallel_size=2, **kw) as llm:
         assert llm.runner.graphs is not None  # decode replays CUDA graphs holding all-reduces
@@ -248,7 +251,8 @@ def test_gpu_tp2_equals_tp1(tmp_path, family):
 def test_gpu_worker_error_reaches_caller(tmp_path, monkeypatch):
     path = make_tiny_model(tmp_path / "llama", "llama")
     monkeypatch.setenv(FAULT_ENV, "1:3")
-    llm = LLM(str(path), tensor_parallel_size=2, max_num_seqs=8, max_model_len=256)
+    llm = LLM(str(path), tensor_parallel_size=2, max_num_seqs=8, max_model_len=256,
+              gpu_memory_utilization=0.4)  # fmt: skip
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match="injected fault"):
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
