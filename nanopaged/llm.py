@@ -519,7 +519,8 @@ class LLM:
             # cut short left outside the scheduler's lists.
             self.block_manager.free_all()
             if self._workers is not None:
-                self._workers.after_error()  # a step cut short leaves workers out of step
+                # A step cut short leaves the workers out of step; a worker's error wins.
+                self._workers.after_error()
             raise
         finally:
             bar.close()

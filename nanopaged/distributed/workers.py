@@ -202,9 +202,12 @@ class TPWorkers:
 
     def after_error(self) -> None:
         """The driver's step loop failed: stop the workers unless they are still in step with
-        rank 0 (an error between steps leaves them usable)."""
+        rank 0 (an error between steps leaves them usable). When a worker failed, its error is
+        the one to raise, whatever rank 0 saw (an aborted NCCL kernel, say)."""
         if self._step_open or self.error is not None:
             self.shutdown(abort=True)
+        if self.error is not None:
+            raise self.error
 
     # ---- shutdown -----------------------------------------------------------------------
     def shutdown(self, abort: bool = False) -> None:
