@@ -165,7 +165,8 @@ class LLM:
                     )
                 self.runner.allocate_swap_space(num_cpu_blocks)
         except BaseException:
-            self.shutdown()
+            if self._workers is not None:
+                self._workers.shutdown(abort=True)  # they may wait in a collective for us
             raise
         self.block_manager = BlockManager(
             self.runner.num_blocks, block_size, self.config.enable_prefix_caching, num_cpu_blocks
