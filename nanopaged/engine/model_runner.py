@@ -197,10 +197,12 @@ class ModelRunner:
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, meta)
             rows = min(self.config.max_num_seqs, num_tokens)
-            self.model.compute_logits(hidden[:rows]).float().softmax(-1)
+            logits = self.model.compute_logits(hidden[:rows])  # None on ranks other than 0
+            if logits is not None:
+                logits.float().softmax(-1)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - scratch.numel() * scratch.element_size()
-        del scratch, hidden
+        del scratch, hidden, logits
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = None
         torch.cuda.empty_cache()
