@@ -4,6 +4,8 @@ python bench.py [--model PATH] [--compare hf] [--json PATH]      throughput
 python bench.py --kernels [--json PATH]                           kernel microbenchmarks
 python bench.py --sampling [--json PATH]                          ShareGPT-like, 5 settings
 python bench.py --memory                                          KV memory / sharing figures
+python bench.py --load-format dummy --model-shape llama3-70b --tensor-parallel-size 8
+                 random weights of a published shape from its config.json alone, N GPUs
 Without --model, a random Qwen3-0.6B-shaped bf16 model is built offline and cached. On a
 machine without CUDA the workload shrinks (stated in the output) so it finishes in minutes.
 """
@@ -33,6 +35,16 @@ QWEN3_0_6B = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=True,
 )
+QWEN3_32B = dict(QWEN3_0_6B, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                 num_attention_heads=64, num_key_value_heads=8)  # fmt: skip
+QWEN3_32B["tie_word_embeddings"] = False
+LLAMA3_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                  num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                  head_dim=128, max_position_embeddings=8192, rope_theta=500000.0,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False)  # fmt: skip
+# --model-shape name -> (transformers config class name, shape)
+SHAPES = {"qwen3-0.6b": ("Qwen3Config", QWEN3_0_6B), "qwen3-32b": ("Qwen3Config", QWEN3_32B),
+          "llama3-70b": ("LlamaConfig", LLAMA3_70B)}  # fmt: skip
 TINY = dict(QWEN3_0_6B, hidden_size=256, intermediate_size=768, num_hidden_layers=4)
 TINY.update(num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=32000)
 
@@ -55,6 +67,18 @@ def random_model(shape: dict, name: str, device: str) -> Path:
     tmp = path.with_name(path.name + ".tmp")
     model.save_pretrained(tmp)
     tmp.rename(path)
+    return path
+
+
+def config_only(name: str) -> Path:
+    """A directory holding just the config.json of a --model-shape (for --load-format dummy)."""
+    import transformers
+
+    cls_name, shape = SHAPES[name]
+    path = cache_dir() / f"{name}-config"
+    config = getattr(transformers, cls_name)(**shape, dtype="bfloat16")
+    config.architectures = [cls_name.replace("Config", "ForCausalLM")]
+    config.save_pretrained(path)
     return path
 
 
@@ -90,7 +114,8 @@ def decode_roofline_bytes(llm, prompts, max_tokens) -> float:
     plus the weights once per step (steps = the longest request's outputs, all in flight)."""
     c = llm.model_config
     elem = torch.empty((), dtype=llm.dtype).element_size()
-    kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * elem
+    # Per GPU: under tensor parallelism each reads its own KV heads and weight shard at once.
+    kv_per_token = 2 * c.num_layers * llm.runner.num_kv_heads * c.head_dim * elem
     kv_tokens = sum(m * len(p) + m * (m - 1) // 2 for p, m in zip(prompts, max_tokens))
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.runner.model.parameters())
     return kv_tokens * kv_per_token + max(max_tokens) * weight_bytes
@@ -218,6 +243,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--memory", action="store_true", help="KV memory and sharing figures")
     parser.add_argument("--sampling", action="store_true", help="ShareGPT-like, 5 samplings")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per model")
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                        help="dummy: random weights from config.json alone")  # fmt: skip
+    parser.add_argument("--model-shape", choices=list(SHAPES), default=None,
+                        help="with --load-format dummy: a published model's shape")  # fmt: skip
     args, rest = parser.parse_known_args(argv)
 
     root = Path(__file__).resolve().parent
@@ -249,7 +279,11 @@ def main(argv: list[str] | None = None) -> dict:
     num_seqs = args.num_seqs or (256 if cuda else 16)
     max_in = args.max_input_len or (1024 if cuda else 128)
     max_out = args.max_output_len or (1024 if cuda else 128)
-    if cuda:
+    if args.model_shape is not None:
+        if args.load_format != "dummy" or args.model:
+            parser.error("--model-shape goes with --load-format dummy and no --model")
+        model_dir = config_only(args.model_shape)
+    elif cuda:
         model_dir = (
             Path(args.model) if args.model else random_model(QWEN3_0_6B, "qwen3-0.6b", device)
         )
@@ -262,8 +296,14 @@ def main(argv: list[str] | None = None) -> dict:
     prompts, max_tokens = workload(num_seqs, max_in, max_out)
 
     t = time.perf_counter()
-    llm = LLM(str(model_dir), max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-              gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
+    llm = LLM(
+        str(model_dir),
+        max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        load_format=args.load_format,
+    )
     load_s = time.perf_counter() - t
     llm.generate([[1, 2, 3, 4]] * 2, SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     steps0, ahead0 = llm.scheduler.num_steps, llm.scheduler.num_advanced_steps
@@ -278,7 +318,11 @@ def main(argv: list[str] | None = None) -> dict:
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     result = {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "model": str(args.model or "random Qwen3-0.6B shape, bf16" if cuda else "tiny random"),
+        "model": str(
+            args.model
+            or (f"{args.model_shape} shape, dummy weights" if args.model_shape else None)
+            or ("random Qwen3-0.6B shape, bf16" if cuda else "tiny random")
+        ),
         "requests": num_seqs,
         "prompt_tokens": sum(map(len, prompts)),
         "output_tokens": output_tokens,
@@ -291,6 +335,8 @@ def main(argv: list[str] | None = None) -> dict:
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "async_step_fraction": (llm.scheduler.num_advanced_steps - ahead0)
         / max(1, llm.scheduler.num_steps - steps0),
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "load_format": args.load_format,
     }
     if cuda:
         bw = copy_bandwidth_tbps()
@@ -316,6 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
             f" s = {result['roofline_tok_per_s']:.0f} tok/s; achieved "
             f"{100 * result['fraction_of_roofline']:.1f}% of it"
         )
+    llm.shutdown()  # tensor-parallel workers
     if args.compare == "hf" and cuda:
         del llm
         torch.cuda.empty_cache()

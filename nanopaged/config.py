@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 PREEMPTION_MODES = ("recompute", "swap")
+LOAD_FORMATS = ("auto", "dummy")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _DTYPES = {
     "float32": torch.float32,
@@ -168,8 +169,18 @@ class EngineConfig:
     # Plan step N+1 while step N runs on the device; None: on for CUDA.
     async_scheduling: bool | None = None
     swap_space: float = 4.0
+    # Ranks the model is split over (heads, MLP and vocabulary); rank 0 is this process.
+    tensor_parallel_size: int = 1
+    # "auto": the checkpoint's weights; "dummy": random weights of its shapes (benchmarks).
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {', '.join(map(repr, LOAD_FORMATS))}, "
+                f"got {self.load_format!r}"
+            )
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("block_size", self.block_size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import weakref
 from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 
@@ -13,6 +14,8 @@ import xxhash
 from tqdm.auto import tqdm
 
 from nanopaged.config import EngineConfig, ModelConfig, parse_dtype
+from nanopaged.distributed.parallel import check_tp_shapes
+from nanopaged.distributed.workers import TPWorkers, check_device_count
 from nanopaged.engine.block_manager import BlockManager, KVStats
 from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -47,7 +50,7 @@ def _resolve_model_dir(model: str | os.PathLike | None) -> Path:
 
 
 def _check_engine_args(
-    model: object, trust_remote_code: object, quantization: object, tensor_parallel_size: object
+    model: object, trust_remote_code: object, quantization: object
 ) -> None:
     """vLLM engine arguments nanopaged takes only in the values it supports."""
     if trust_remote_code is not False:
@@ -62,14 +65,6 @@ def _check_engine_args(
         raise ValueError(
             f"quantization={quantization!r} is not supported: use None (the checkpoint's "
             "dtype) or a .gguf model file (quantization='gguf' or None)"
-        )
-    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int):
-        raise TypeError(
-            f"tensor_parallel_size must be an int, got {type(tensor_parallel_size).__name__}"
-        )
-    if tensor_parallel_size != 1:
-        raise ValueError(
-            f"tensor_parallel_size must be 1 (one device), got {tensor_parallel_size}"
         )
 
 
@@ -165,8 +160,10 @@ class LLM:
         trust_remote_code: bool = False,
         quantization: str | None = None,
         generation_config: str | os.PathLike = "auto",
+        load_format: str = "auto",
     ) -> None:
-        _check_engine_args(model, trust_remote_code, quantization, tensor_parallel_size)
+        _check_engine_args(model, trust_remote_code, quantization)
+        self._workers: TPWorkers | None = None
         self.config = EngineConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -180,6 +177,8 @@ class LLM:
             preemption_mode=preemption_mode,
             swap_space=swap_space,
             async_scheduling=async_scheduling,
+            tensor_parallel_size=tensor_parallel_size,
+            load_format=load_format,
         )
         requested_dtype = parse_dtype(dtype)
         self.device = _resolve_device(device)
@@ -233,16 +232,36 @@ class LLM:
                     f"swap_space={swap_space} GiB holds no KV block ({per_block} bytes each); "
                     "raise swap_space"
                 )
-        self.runner = ModelRunner(
-            self.model_dir,
-            self.model_config,
-            self.config,
-            self.max_model_len,
-            self.device,
-            self.dtype,
+        runner_kwargs = dict(
+            model_dir=self.model_dir,
+            model_config=self.model_config,
+            engine_config=self.config,
+            max_model_len=self.max_model_len,
+            dtype=self.dtype,
+            load_format=load_format,
         )
-        if num_cpu_blocks:
-            self.runner.allocate_swap_space(num_cpu_blocks)
+        if tensor_parallel_size > 1:
+            c = self.model_config
+            check_tp_shapes(c.num_heads, c.num_kv_heads, c.intermediate_size, tensor_parallel_size)
+            check_device_count(tensor_parallel_size, self.device)
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", 0)  # rank r runs on cuda:r
+            self._workers = TPWorkers(tensor_parallel_size, self.device, runner_kwargs)
+            # Workers end with this LLM: on shutdown(), deletion or interpreter exit.
+            self._finalizer = weakref.finalize(self, self._workers.shutdown)
+        try:
+            self.runner = ModelRunner(
+                **runner_kwargs,
+                device=self.device,
+                tp=self._workers.tp if self._workers else None,
+                workers=self._workers,
+            )
+            if num_cpu_blocks:
+                self.runner.allocate_swap_space(num_cpu_blocks)
+        except BaseException:
+            if self._workers is not None:
+                self._workers.shutdown(abort=True)  # they may wait in a collective for us
+            raise
         self.block_manager = BlockManager(
             self.runner.num_blocks, block_size, self.config.enable_prefix_caching, num_cpu_blocks
         )
@@ -257,6 +276,17 @@ class LLM:
         )
         self._request_counter = 0
         self._num_drawn_seeds = 0
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any; the LLM cannot generate afterwards."""
+        if self._workers is not None:
+            self._workers.shutdown(abort=not self._workers.alive)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     @staticmethod
     def _load_tokenizer(path: Path):
@@ -667,6 +697,9 @@ class LLM:
             # No request outlives this call, so no block may stay held, even one that a step
             # cut short left outside the scheduler's lists.
             self.block_manager.free_all()
+            if self._workers is not None:
+                # A step cut short leaves the workers out of step; a worker's error wins.
+                self._workers.after_error()
             raise
         finally:
             bar.close()

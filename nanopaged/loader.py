@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
@@ -11,6 +14,9 @@ from nanopaged.layers.linear import default_weight_loader
 
 # Checkpoint entries that carry nothing we use (precomputed rotary tables of old exports).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# load_format="dummy" draws every weight from U(-r, r), as vLLM does: small enough that
+# activations stay finite through any depth.
+DUMMY_WEIGHT_RANGE = 1e-3
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -28,40 +34,71 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     raise ValueError(f"no *.safetensors weights found in {model_dir}")
 
 
-def load_weights(model: nn.Module, model_dir: Path) -> None:
-    """Copy every checkpoint tensor into its parameter; raise on a missing or unknown name."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    packed = getattr(model, "packed_modules", {})
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    loaded: set[str] = set()
+def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor, Path]]:
     for path in safetensors_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    if name.endswith(_IGNORED_SUFFIXES):
-                        continue
-                    if tied and name == "lm_head.weight":
-                        continue  # the head is the embedding; some exports still save it
-                    target, shard_id = name, None
-                    for fragment, (packed_name, sid) in packed.items():
-                        if f".{fragment}." in name:
-                            target, shard_id = name.replace(fragment, packed_name), sid
-                            break
-                    param = params.get(target)
-                    if param is None:
-                        raise ValueError(f"unexpected weight {name!r} in {path}")
-                    tensor = f.get_tensor(name)
-                    loader = getattr(param, "weight_loader", default_weight_loader)
-                    try:
-                        if shard_id is None:
-                            loader(param, tensor)
-                        else:
-                            loader(param, tensor, shard_id)
-                    except (ValueError, RuntimeError) as e:
-                        raise ValueError(f"cannot load weight {name!r} of {path}: {e}") from e
-                    loaded.add(name if shard_id is None else f"{target}#{shard_id}")
+                    yield name, f.get_tensor(name), path
         except SafetensorError as e:
             raise ValueError(f"cannot read weight file {path}: {e}") from e
+
+
+def _dummy_tensors(
+    shapes: dict[str, tuple[int, ...]], seed: int, dtype: torch.dtype, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor, str]]:
+    for name, shape in shapes.items():
+        # One stream per tensor name: every rank draws the same full tensor and keeps its shard.
+        stream = seed * 1_000_003 + zlib.crc32(name.encode())
+        gen = torch.Generator(device=device).manual_seed(stream)
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        yield name, tensor.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=gen), "dummy"
+
+
+def load_weights(model: nn.Module, model_dir: Path) -> None:
+    """Copy every checkpoint tensor into its parameter; raise on a missing or unknown name."""
+    _load(model, _checkpoint_tensors(model_dir), str(model_dir))
+
+
+def load_dummy_weights(
+    model: nn.Module, shapes: dict[str, tuple[int, ...]], seed: int
+) -> None:
+    """Fill the model with small uniform random weights (load_format="dummy"), deterministic
+    from the seed and the same whatever the tensor-parallel size: `shapes` is the full
+    checkpoint's layout, and each tensor goes through its parameter's weight_loader."""
+    first = next(model.parameters())
+    _load(model, _dummy_tensors(shapes, seed, first.dtype, first.device), "dummy weights")
+
+
+def _load(
+    model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor, object]], where: str
+) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed = getattr(model, "packed_modules", {})
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    loaded: set[str] = set()
+    for name, tensor, path in tensors:
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if tied and name == "lm_head.weight":
+            continue  # the head is the embedding; some exports still save it
+        target, shard_id = name, None
+        for fragment, (packed_name, sid) in packed.items():
+            if f".{fragment}." in name:
+                target, shard_id = name.replace(fragment, packed_name), sid
+                break
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"unexpected weight {name!r} in {path}")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            if shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+        except (ValueError, RuntimeError) as e:
+            raise ValueError(f"cannot load weight {name!r} of {path}: {e}") from e
+        loaded.add(name if shard_id is None else f"{target}#{shard_id}")
     expected: set[str] = set()
     for name in params:
         if tied and name == "lm_head.weight":
@@ -73,4 +110,4 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
         expected.update(f"{name}#{sid}" for sid in shard_ids) if shard_ids else expected.add(name)
     missing = sorted(expected - loaded)
     if missing:
-        raise ValueError(f"weights missing from {model_dir}: {', '.join(missing[:8])}")
+        raise ValueError(f"weights missing from {where}: {', '.join(missing[:8])}")

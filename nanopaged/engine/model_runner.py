@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from nanopaged.config import EngineConfig, ModelConfig
+from nanopaged.distributed.parallel import TensorParallel, local_kv_heads
 from nanopaged.engine.block_tables import BlockTableBuilder
 from nanopaged.engine.cuda_graph import DecodeGraphs
 from nanopaged.engine.sample_output import SampleOutput
@@ -22,11 +24,16 @@ from nanopaged.engine.sampling import (
 )
 from nanopaged.engine.scheduler import ScheduledBatch
 from nanopaged.engine.sequence import Sequence
+from nanopaged.engine.step_inputs import StepInputs
 from nanopaged.engine.swap import allocate_cpu_kv_cache, run_block_ops
 from nanopaged.layers.attention import Attention, AttentionMetadata
 from nanopaged.layers.sampler import SamplingTensors, sample
-from nanopaged.loader import load_weights
+from nanopaged.loader import load_dummy_weights, load_weights
 from nanopaged.models import build_model
+from nanopaged.models.llama import checkpoint_shapes
+
+if TYPE_CHECKING:
+    from nanopaged.distributed.workers import TPWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +73,15 @@ class StepHandle:
             self.outputs = self._host.tolist()
         return self.outputs
 
-def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block: K and V of block_size tokens in every layer."""
+def kv_bytes_per_block(
+    model_config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None
+) -> int:
+    """Bytes of one KV block: K and V of block_size tokens in every layer (of num_kv_heads
+    heads: a tensor-parallel rank's share; all of the model's by default)."""
     c = model_config
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * elem
+    heads = c.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return 2 * c.num_layers * block_size * heads * c.head_dim * elem
 
 
 # KV budget on CPU when kv_cache_memory is not given.
@@ -88,8 +99,16 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device,
         dtype: torch.dtype,
+        load_format: str = "auto",
+        tp: TensorParallel | None = None,
+        workers: TPWorkers | None = None,
     ) -> None:
+        """tp: this rank's share under tensor parallelism; workers (rank 0 only): the other
+        ranks, which run every step this runner launches."""
         self.model_config = model_config
+        self.tp = tp or TensorParallel()
+        self.workers = workers
+        self.num_kv_heads, _ = local_kv_heads(model_config.num_kv_heads, self.tp)
         self.config = engine_config
         self.max_model_len = max_model_len
         self.device = device
@@ -105,21 +124,26 @@ class ModelRunner:
             default_dtype = torch.get_default_dtype()
             torch.set_default_dtype(dtype)
             try:
-                self.model = build_model(model_config)
+                self.model = build_model(model_config, self.tp)
             finally:
                 torch.set_default_dtype(default_dtype)
-        load_weights(self.model, model_dir)
+        if load_format == "dummy":
+            load_dummy_weights(self.model, checkpoint_shapes(model_config), engine_config.seed)
+        else:
+            load_weights(self.model, model_dir)
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         if profile:
             self.num_blocks = self._blocks_for_budget(self._profile_cuda_budget())
+        # Every rank must hold the same block ids: the smallest count any rank can fit.
+        self.num_blocks = self.tp.min_over_ranks(self.num_blocks)
         # kv_cache: [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = torch.empty(
             2,
             model_config.num_layers,
             self.num_blocks,
             self.block_size,
-            model_config.num_kv_heads,
+            self.num_kv_heads,
             model_config.head_dim,
             dtype=dtype,
             device=device,
@@ -146,12 +170,16 @@ class ModelRunner:
 
     def allocate_swap_space(self, num_blocks: int) -> None:
         """Allocate the CPU swap pool: num_blocks blocks shaped like the device cache's."""
+        if self.workers is not None:
+            self.workers.allocate_swap_space(num_blocks)
         self.cpu_kv_cache = allocate_cpu_kv_cache(self.kv_cache, num_blocks)
 
     # ---- sizing --------------------------------------------------------------------------
     @property
     def kv_bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        return kv_bytes_per_block(
+            self.model_config, self.block_size, self.dtype, self.num_kv_heads
+        )
 
     def _blocks_for_budget(self, budget: int) -> int:
         cfg = self.config
@@ -185,7 +213,7 @@ class ModelRunner:
         blocks = [-(-n // self.block_size) for n in lens]
         c = self.model_config
         scratch = torch.empty(
-            2, c.num_layers, sum(blocks), self.block_size, c.num_kv_heads, c.head_dim,
+            2, c.num_layers, sum(blocks), self.block_size, self.num_kv_heads, c.head_dim,
             dtype=self.dtype, device=self.device,
         )
         for i, layer in enumerate(self.attention_layers):
@@ -197,7 +225,10 @@ class ModelRunner:
         rows = min(self.config.max_num_seqs, total)
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, meta)
-            self._profile_sampling(self.model.compute_logits(hidden[:rows]).float())
+            logits = self.model.compute_logits(hidden[:rows])  # None on ranks other than 0
+            if logits is not None:
+                self._profile_sampling(logits.float())
+            del logits
             del hidden
             graph_bytes = 0
             if not self.config.enforce_eager:
@@ -329,48 +360,16 @@ class ModelRunner:
         Sequences whose last token is a placeholder take it from `prev`'s sampled tokens on the
         device (asynchronous scheduling).
         """
-        # Swaps and copy-on-write copies go before the forward (and outside any CUDA graph).
-        run_block_ops(
-            self.kv_cache,
-            self.cpu_kv_cache,
-            batch.blocks_to_swap_out,
-            batch.blocks_to_swap_in,
-            batch.blocks_to_copy,
-        )
         seqs = batch.seqs
-        starts = [s.num_computed_tokens for s in seqs]
-        input_ids: list[int] = []
-        for seq, start, n in zip(seqs, starts, batch.num_scheduled_tokens):
-            input_ids.extend(seq.token_ids[start : start + n])
-        host = self._host_arrays(batch.num_scheduled_tokens, starts, self._tables.build(seqs))
-        sampling_rows = [i for i in range(len(seqs)) if batch.samples(i)]
-        ids_np = np.asarray(input_ids, dtype=np.int64)
-        pending = self._pending_inputs(seqs, host["cu_seqlens_q"], prev)
-        if pending is not None:
-            ids_np[pending[0]] = 0  # placeholders: the real ids are copied in on the device
-        if self.graphs is not None and len(ids_np) == len(seqs) and self.graphs.can_run(len(seqs)):
-            hidden = self.graphs.run(
-                ids_np,
-                host["positions"],
-                host["slots"],
-                host["tables"],
-                host["context_lens"],
-                pending=self._pending_tensors(pending, prev),
-            )
-        else:
-            positions, meta = self._device_metadata(host)
-            ids = torch.from_numpy(ids_np).to(self.device, non_blocking=True)
-            if pending is not None:
-                dst, values = self._pending_tensors(pending, prev)
-                ids.index_copy_(0, dst, values)
-            hidden = self.model(ids, positions, meta)
-        if not sampling_rows:
+        step = self._step_inputs(batch)
+        if self.workers is not None:
+            self.workers.publish(step)  # tensor parallel: every rank runs the same step
+        logits = self.execute(step, prev)
+        if self.workers is not None:
+            self.workers.step_done()
+        if logits is None:
             return StepHandle(outputs=[])
-        last = np.cumsum(batch.num_scheduled_tokens) - 1
-        # A plain torch.tensor(..., device=cuda) would wait for the device: copy asynchronously.
-        logits_indices = torch.from_numpy(last[sampling_rows]).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden[logits_indices]).float()
-        sampled_seqs = [seqs[i] for i in sampling_rows]
+        sampled_seqs = [seqs[i] for i in range(len(seqs)) if batch.samples(i)]
         if needs_sample_outputs(sampled_seqs):
             outputs = sample_sequences(logits, sampled_seqs, eos_token_ids)
             return StepHandle(outputs=outputs)
@@ -378,24 +377,98 @@ class ModelRunner:
         tokens = sample(logits, self._sampling_tensors(sampled_seqs)).token_ids
         return StepHandle.copy_to_host(tokens)
 
+    def _step_inputs(self, batch: ScheduledBatch) -> StepInputs:
+        """The step's host arrays, built from the batch's sequences."""
+        seqs = batch.seqs
+        starts = [s.num_computed_tokens for s in seqs]
+        input_ids: list[int] = []
+        for seq, start, n in zip(seqs, starts, batch.num_scheduled_tokens):
+            input_ids.extend(seq.token_ids[start : start + n])
+        host = self._host_arrays(batch.num_scheduled_tokens, starts, self._tables.build(seqs))
+        sampling_rows = [i for i in range(len(seqs)) if batch.samples(i)]
+        last = np.cumsum(batch.num_scheduled_tokens) - 1
+        ids_np = np.asarray(input_ids, dtype=np.int64)
+        pending_dst, pending_src = self._pending_inputs(seqs, host["cu_seqlens_q"])
+        ids_np[pending_dst] = 0  # placeholders: the real ids are copied in on the device
+        return StepInputs(
+            input_ids=ids_np,
+            positions=host["positions"],
+            slots=host["slots"],
+            tables=host["tables"],
+            context_lens=host["context_lens"],
+            cu_seqlens_q=host["cu_seqlens_q"],
+            logits_indices=last[sampling_rows].astype(np.int64),
+            blocks_to_swap_out=batch.blocks_to_swap_out,
+            blocks_to_swap_in=batch.blocks_to_swap_in,
+            blocks_to_copy=batch.blocks_to_copy,
+            pending_dst=pending_dst,
+            pending_src=pending_src,
+        )
+
+    @torch.inference_mode()
+    def execute(self, step: StepInputs, prev: StepHandle | None) -> torch.Tensor | None:
+        """Block ops and the forward pass of one step; the logits rows to sample ([rows,
+        vocab] float32), or None when nothing samples or this rank is not rank 0."""
+        # Swaps and copy-on-write copies go before the forward (and outside any CUDA graph).
+        run_block_ops(
+            self.kv_cache,
+            self.cpu_kv_cache,
+            step.blocks_to_swap_out,
+            step.blocks_to_swap_in,
+            step.blocks_to_copy,
+        )
+        batch_size = len(step.context_lens)
+        pending = self._pending_tensors(step, prev)
+        num_tokens = len(step.input_ids)
+        if self.graphs is not None and num_tokens == batch_size and self.graphs.can_run(
+            batch_size
+        ):
+            hidden = self.graphs.run(
+                step.input_ids,
+                step.positions,
+                step.slots,
+                step.tables,
+                step.context_lens,
+                pending=pending,
+            )
+        else:
+            positions, meta = self._device_metadata(
+                dict(positions=step.positions, slots=step.slots, tables=step.tables,
+                     context_lens=step.context_lens, cu_seqlens_q=step.cu_seqlens_q)
+            )  # fmt: skip
+            ids = torch.from_numpy(step.input_ids).to(self.device, non_blocking=True)
+            if pending is not None:
+                ids.index_copy_(0, *pending)
+            hidden = self.model(ids, positions, meta)
+        if not len(step.logits_indices):
+            return None
+        # A plain torch.tensor(..., device=cuda) would wait for the device: copy asynchronously.
+        rows = torch.from_numpy(step.logits_indices).to(self.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden[rows])
+        return None if logits is None else logits.float()
+
     @staticmethod
     def _pending_inputs(
-        seqs: list[Sequence], cu_seqlens_q: np.ndarray, prev: StepHandle | None
-    ) -> tuple[np.ndarray, np.ndarray] | None:
-        """(input positions, rows of prev's samples) of the placeholder tokens, if any."""
+        seqs: list[Sequence], cu_seqlens_q: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(input positions, rows of the previous step's samples) of the placeholder tokens."""
         rows = [(int(cu_seqlens_q[i + 1]) - 1, s.pending_row) for i, s in enumerate(seqs)
                 if s.pending_row is not None]  # fmt: skip
-        if not rows:
-            return None
-        assert prev is not None and prev.tokens is not None
-        dst, src = np.asarray(rows, dtype=np.int64).T
-        return dst, src
+        pairs = np.asarray(rows, dtype=np.int64).reshape(-1, 2)
+        return pairs[:, 0].copy(), pairs[:, 1].copy()
 
     def _pending_tensors(
-        self, pending: tuple[np.ndarray, np.ndarray] | None, prev: StepHandle | None
+        self, step: StepInputs, prev: StepHandle | None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if pending is None:
+        """(input positions, token ids) on the device for the step's placeholders, if any."""
+        if not len(step.pending_dst):
             return None
-        dst = torch.from_numpy(pending[0]).to(self.device, non_blocking=True)
-        src = torch.from_numpy(pending[1]).to(self.device, non_blocking=True)
-        return dst, prev.tokens.index_select(0, src)
+        dst = torch.from_numpy(step.pending_dst).to(self.device, non_blocking=True)
+        if self.tp.rank == 0:
+            assert prev is not None and prev.tokens is not None
+            src = torch.from_numpy(step.pending_src).to(self.device, non_blocking=True)
+            values = prev.tokens.index_select(0, src)
+        else:
+            values = torch.empty(len(dst), dtype=torch.long, device=self.device)
+        # Only rank 0 samples: the other ranks get the sampled ids from it, on the device.
+        return dst, self.tp.broadcast(values)

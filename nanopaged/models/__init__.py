@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from nanopaged.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from nanopaged.distributed.parallel import TensorParallel
 from nanopaged.models.llama import DecoderForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -12,8 +13,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def build_model(config: ModelConfig) -> nn.Module:
-    """Instantiate the implementation of config.architecture (weights uninitialised)."""
+def build_model(config: ModelConfig, tp: TensorParallel | None = None) -> nn.Module:
+    """Instantiate (this rank's share of) config.architecture, weights uninitialised."""
     try:
         cls = MODEL_REGISTRY[config.architecture]
     except KeyError:
@@ -21,4 +22,4 @@ def build_model(config: ModelConfig) -> nn.Module:
             f"unsupported architecture {config.architecture!r}; "
             f"supported: {', '.join(MODEL_REGISTRY)}"
         ) from None
-    return cls(config)
+    return cls(config) if tp is None else cls(config, tp)

@@ -6,30 +6,40 @@ import torch
 from torch import nn
 
 from nanopaged.config import ModelConfig
+from nanopaged.distributed.parallel import TensorParallel
 from nanopaged.layers.activation import SiluAndMul
 from nanopaged.layers.attention import Attention, AttentionMetadata
 from nanopaged.layers.embedding import LMHead, VocabEmbedding
-from nanopaged.layers.linear import Linear, MergedLinear, QKVLinear
+from nanopaged.layers.linear import (
+    SINGLE,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from nanopaged.layers.norm import RMSNorm
 from nanopaged.layers.rotary import RotaryEmbedding
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = QKVLinear(
+        self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             config.head_dim,
             config.num_heads,
             config.num_kv_heads,
             config.attention_bias,
+            tp,
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        # This rank's heads: its share of the queries and the KV heads they use.
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
+        self.o_proj = RowParallelLinear(
+            config.num_heads * config.head_dim, config.hidden_size, bias=False, tp=tp
+        )
         self.rotary = rotary
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -37,7 +47,7 @@ class DecoderAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.attn = Attention(
-            config.num_heads, config.head_dim, config.num_kv_heads, config.head_dim**-0.5
+            self.num_heads, config.head_dim, self.num_kv_heads, config.head_dim**-0.5
         )
 
     def forward(
@@ -58,18 +68,18 @@ class DecoderAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v, meta)
-        # out: [num_tokens, num_heads, head_dim] -> [num_tokens, hidden_size]
+        # out: [num_tokens, num_heads, head_dim] -> [num_tokens, hidden_size] (summed over ranks)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(
-            config.hidden_size, [size, size], [0, 1], bias=config.mlp_bias
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], [0, 1], bias=config.mlp_bias, tp=tp
         )
-        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias, tp=tp)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,10 +87,10 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, rotary)
-        self.mlp = DecoderMLP(config)
+        self.self_attn = DecoderAttention(config, rotary, tp)
+        self.mlp = DecoderMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -102,7 +112,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         rotary = RotaryEmbedding(
             config.head_dim,
@@ -110,9 +120,9 @@ class DecoderModel(nn.Module):
             config.rope_theta,
             config.rope_scaling,
         )
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            [DecoderLayer(config, rotary) for _ in range(config.num_layers)]
+            [DecoderLayer(config, rotary, tp) for _ in range(config.num_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -128,7 +138,10 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """Llama-family causal LM: hidden states for every token, logits for the rows asked."""
+    """Llama-family causal LM: hidden states for every token, logits for the rows asked.
+
+    Under tensor parallelism (tp) this is one rank's share; logits come back on rank 0 only.
+    """
 
     # checkpoint name fragment -> (our packed parameter fragment, shard id)
     packed_modules = {
@@ -139,11 +152,11 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        self.model = DecoderModel(config, tp)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -152,5 +165,42 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
+
+
+def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face checkpoint of this config holds, with its full shape."""
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size)
+    }
+    for i in range(c.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        layer = {
+            f"{attn}.q_proj.weight": (q, c.hidden_size),
+            f"{attn}.k_proj.weight": (kv, c.hidden_size),
+            f"{attn}.v_proj.weight": (kv, c.hidden_size),
+            f"{attn}.o_proj.weight": (c.hidden_size, q),
+            f"{mlp}.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+            f"{mlp}.up_proj.weight": (c.intermediate_size, c.hidden_size),
+            f"{mlp}.down_proj.weight": (c.hidden_size, c.intermediate_size),
+            f"model.layers.{i}.input_layernorm.weight": (c.hidden_size,),
+            f"model.layers.{i}.post_attention_layernorm.weight": (c.hidden_size,),
+        }
+        if c.attention_bias:
+            layer.update({f"{attn}.q_proj.bias": (q,), f"{attn}.k_proj.bias": (kv,),
+                          f"{attn}.v_proj.bias": (kv,)})  # fmt: skip
+        if c.mlp_bias:
+            layer.update({f"{mlp}.gate_proj.bias": (c.intermediate_size,),
+                          f"{mlp}.up_proj.bias": (c.intermediate_size,),
+                          f"{mlp}.down_proj.bias": (c.hidden_size,)})  # fmt: skip
+        if c.qk_norm:
+            layer.update({f"{attn}.q_norm.weight": (c.head_dim,),
+                          f"{attn}.k_norm.weight": (c.head_dim,)})  # fmt: skip
+        shapes.update(layer)
+    shapes["model.norm.weight"] = (c.hidden_size,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    return shapes

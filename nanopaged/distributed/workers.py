@@ -1,0 +1,327 @@
+"""Tensor-parallel worker processes: rank 0 is the caller's process, ranks 1..N-1 are spawned.
+
+Every step rank 0 sends each worker one packed int64 buffer (StepInputs) over a pipe; the
+worker runs the same forward pass on its heads, and the ranks meet in the model's all-reduces
+(NCCL on CUDA, gloo on CPU). Only rank 0 samples.
+
+A worker that fails sends its traceback over the same pipe and exits; a monitor thread in the
+driver turns that (or a worker that just dies) into a WorkerError raised by the driver's next
+collective or step. Workers ignore Ctrl-C (the driver decides), exit when their pipe closes or
+their parent dies, and are stopped by TPWorkers.shutdown.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nanopaged.distributed.parallel import TensorParallel
+from nanopaged.engine.step_inputs import StepInputs
+
+# A collective that waits longer than this fails; generous, since one rank may be compiling
+# kernels or capturing CUDA graphs while another waits. A dead worker is noticed at once.
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+STARTUP_TIMEOUT_S = 120.0
+# Test hook: "RANK:STEP" makes worker RANK raise at its STEP-th step (0-based).
+FAULT_ENV = "NANOPAGED_TP_FAULT"
+
+_STEP, _SWAP_SPACE, _STOP = 0, 1, 2
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker failed; the message carries its traceback."""
+
+
+class TPWorkers:
+    """Ranks 1..N-1 of a tensor-parallel group, seen from rank 0 (the caller's process)."""
+
+    def __init__(self, size: int, device: torch.device, runner_kwargs: dict) -> None:
+        """Spawn the workers, wait for them, and join the process group as rank 0.
+
+        runner_kwargs: ModelRunner's arguments except device, tp and workers.
+        """
+        if dist.is_initialized():
+            raise RuntimeError(
+                "one tensor-parallel LLM per process at a time: shut the other down first "
+                "(LLM.shutdown(), or `with LLM(...) as llm:`)"
+            )
+        self.size = size
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.error: WorkerError | None = None
+        self._failed = threading.Event()
+        self._closed = False
+        self._step_open = False
+        if self.backend == "nccl":
+            # On a collective error NCCL's watchdog would by default kill the whole process,
+            # i.e. the caller's: only abort the communicator, so a WorkerError can be raised.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        ctx = mp.get_context("spawn")  # fork would copy a CUDA context and our threads
+        store = dist.TCPStore(
+            "127.0.0.1", 0, size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
+            wait_for_workers=False,
+        )  # fmt: skip
+        self._store = store
+        self.procs: list[mp.Process] = []
+        self.conns: list[Connection] = []
+        try:
+            for rank in range(1, size):
+                ours, theirs = ctx.Pipe(duplex=True)
+                proc = ctx.Process(
+                    target=_worker_main,
+                    args=(rank, size, store.port, self.backend, runner_kwargs, theirs,
+                          os.getpid()),
+                    name=f"nanopaged-tp-rank{rank}",
+                    daemon=True,
+                )  # fmt: skip
+                proc.start()
+                theirs.close()
+                self.procs.append(proc)
+                self.conns.append(ours)
+            self._wait_ready()
+            dist.init_process_group(
+                self.backend, store=store, rank=0, world_size=size, timeout=COLLECTIVE_TIMEOUT
+            )
+        except BaseException:
+            self.shutdown(abort=True)
+            raise
+        self.tp = TensorParallel(0, size, dist.group.WORLD, self._collective_failed)
+        self._monitor = threading.Thread(target=self._watch, name="nanopaged-tp-monitor",
+                                         daemon=True)  # fmt: skip
+        self._monitor.start()
+
+    # ---- start-up and failure detection -------------------------------------------------
+    def _wait_ready(self) -> None:
+        """Each worker says "ready" before joining the group; one that dies first is an error
+        here, instead of a rendezvous that waits for it until a timeout."""
+        pending = dict(enumerate(self.conns, start=1))
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerError(f"tensor-parallel workers {sorted(pending)} did not start")
+            sentinels = {self.procs[r - 1].sentinel: r for r in pending}
+            for obj in wait([*pending.values(), *sentinels], timeout=left):
+                rank = sentinels.get(obj)
+                if rank is not None and rank in pending:
+                    conn = pending[rank]
+                    if not conn.poll(1.0):
+                        raise self._exited(rank)
+                    obj = conn
+                if obj in pending.values():
+                    rank = next(r for r, c in pending.items() if c is obj)
+                    try:
+                        kind, payload = obj.recv()
+                    except EOFError:  # closed without a word: it died
+                        raise self._exited(rank) from None
+                    if kind == "error":
+                        raise WorkerError(f"tensor-parallel worker {rank} failed:\n{payload}")
+                    del pending[rank]
+
+    def _exited(self, rank: int) -> WorkerError:
+        code = self.procs[rank - 1].exitcode
+        return WorkerError(f"tensor-parallel worker {rank} exited (exit code {code})")
+
+    def _watch(self) -> None:
+        """Monitor thread: the first worker error or death becomes self.error."""
+        conns = dict(enumerate(self.conns, start=1))
+        sentinels = {p.sentinel: r for r, p in enumerate(self.procs, start=1)}
+        while (conns or sentinels) and not self._closed:
+            for obj in wait([*conns.values(), *sentinels], timeout=1.0):
+                if obj in sentinels:
+                    rank = sentinels.pop(obj)
+                    conn = conns.get(rank)
+                    if conn is not None and conn.poll(1.0):
+                        continue  # its report is waiting: read it on the next pass
+                    if not self._closed:
+                        code = self.procs[rank - 1].exitcode
+                        self._fail(rank, f"the process exited unexpectedly (exit code {code})")
+                    continue
+                rank = next(r for r, c in conns.items() if c is obj)
+                try:
+                    kind, payload = obj.recv()
+                except (EOFError, OSError):
+                    del conns[rank]
+                    continue
+                if kind == "error" and not self._closed:
+                    self._fail(rank, payload)
+
+    def _fail(self, rank: int, detail: str) -> None:
+        if self.error is None:
+            self.error = WorkerError(f"tensor-parallel worker {rank} failed:\n{detail}")
+        self._failed.set()
+        if self.backend == "nccl" and dist.is_initialized():
+            # NCCL would wait for the dead rank forever: abort so rank 0's kernels return.
+            try:
+                dist.distributed_c10d._abort_process_group()
+            except Exception:  # best effort; the collective timeout is the backstop
+                pass
+
+    def _collective_failed(self, error: BaseException) -> None:
+        """Rank 0's collective failed: raise the worker's error if one failed (or does soon)."""
+        self._failed.wait(timeout=10.0)
+        if self.error is not None:
+            raise self.error from error
+
+    # ---- steps --------------------------------------------------------------------------
+    def _send(self, buf: bytes) -> None:
+        if self.error is not None:
+            raise self.error
+        if self._closed:
+            raise RuntimeError(
+                "this LLM's tensor-parallel workers were stopped (shutdown, or an error or "
+                "interruption during a step); create a new LLM"
+            )
+        for conn in self.conns:
+            try:
+                conn.send_bytes(buf)
+            except OSError as e:
+                self._failed.wait(timeout=10.0)
+                raise (self.error or WorkerError("a tensor-parallel worker is gone")) from e
+
+    def publish(self, step: StepInputs) -> None:
+        """Send the step to every worker; they run it while rank 0 runs its own share."""
+        self._send(np.concatenate(([_STEP], step.pack())).astype(np.int64).tobytes())
+        self._step_open = True
+
+    def step_done(self) -> None:
+        """Rank 0 has issued every collective of the published step."""
+        self._step_open = False
+
+    def allocate_swap_space(self, num_blocks: int) -> None:
+        self._send(np.array([_SWAP_SPACE, num_blocks], dtype=np.int64).tobytes())
+
+    def after_error(self) -> None:
+        """The driver's step loop failed: stop the workers unless they are still in step with
+        rank 0 (an error between steps leaves them usable). When a worker failed, its error is
+        the one to raise, whatever rank 0 saw (an aborted NCCL kernel, say)."""
+        if self._step_open or self.error is not None:
+            self.shutdown(abort=True)
+        if self.error is not None:
+            raise self.error
+
+    # ---- shutdown -----------------------------------------------------------------------
+    def shutdown(self, abort: bool = False) -> None:
+        """Stop every worker and leave the process group; idempotent. abort: kill at once (a
+        worker may be stuck in a collective rank 0 will never join)."""
+        if self._closed:
+            return
+        self._closed = True
+        if not abort and self.error is None:
+            for conn in self.conns:
+                try:
+                    conn.send_bytes(np.array([_STOP], dtype=np.int64).tobytes())
+                except OSError:
+                    pass
+            deadline = time.monotonic() + 10.0
+            for proc in self.procs:
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5.0)
+        for conn in self.conns:
+            conn.close()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # an aborted NCCL group may refuse; nothing is left to free
+                pass
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self.error is None
+
+
+def check_device_count(size: int, device: torch.device) -> None:
+    """ValueError unless the machine has a device for every rank."""
+    if device.type == "cuda" and size > torch.cuda.device_count():
+        raise ValueError(
+            f"tensor_parallel_size={size} needs {size} CUDA devices, this machine has "
+            f"{torch.cuda.device_count()}"
+        )
+    if device.type == "cuda" and device.index not in (None, 0):
+        raise ValueError(
+            f"with tensor_parallel_size > 1, rank r runs on cuda:r; pass device='cuda', "
+            f"got {device}"
+        )
+
+
+# ---- the worker process --------------------------------------------------------------------
+def _exit_with_parent(parent_pid: int) -> None:
+    """A worker never outlives the process that started it (even one killed by SIGKILL)."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(0.5)
+
+
+def _worker_main(
+    rank: int,
+    size: int,
+    port: int,
+    backend: str,
+    runner_kwargs: dict,
+    conn: Connection,
+    parent_pid: int,
+) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+        else:
+            device = torch.device("cpu")
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        from nanopaged.engine.model_runner import ModelRunner
+
+        conn.send(("ready", None))
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=False,
+                              timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
+        )
+        tp = TensorParallel(rank, size, dist.group.WORLD)
+        runner = ModelRunner(**runner_kwargs, device=device, tp=tp)
+        _serve(runner, conn, rank)
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+        # Skip interpreter teardown: peers may be mid-collective with us, so just go.
+        os._exit(1)
+    dist.destroy_process_group()
+    conn.close()
+
+
+def _serve(runner, conn: Connection, rank: int) -> None:
+    """Run the driver's steps until it says stop or goes away."""
+    fault = os.environ.get(FAULT_ENV, "")
+    fault_step = int(fault.split(":")[1]) if fault.startswith(f"{rank}:") else -1
+    num_steps = 0
+    while True:
+        try:
+            buf = np.frombuffer(conn.recv_bytes(), dtype=np.int64)
+        except EOFError:  # the driver is gone
+            return
+        kind = int(buf[0])
+        if kind == _STOP:
+            return
+        if kind == _SWAP_SPACE:
+            runner.allocate_swap_space(int(buf[1]))
+            continue
+        if num_steps == fault_step:
+            raise RuntimeError(f"injected fault in tensor-parallel rank {rank}, step {num_steps}")
+        num_steps += 1
+        runner.execute(StepInputs.unpack(buf[1:]), None)

@@ -1,0 +1,1 @@
+"""Adapters that run nanopaged under other frameworks (optional extras)."""

@@ -1,0 +1,261 @@
+"""tensor_parallel_size=2 gives HF's greedy tokens (gloo on CPU; NCCL and CUDA graphs on GPUs),
+and its worker processes end with their LLM and report their errors."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import random
+import time
+
+import pytest
+import torch
+from tiny_models import hf_greedy, make_tiny_model
+
+from nanopaged import LLM, SamplingParams
+from nanopaged.distributed.workers import FAULT_ENV, WorkerError
+
+MAX_TOKENS = 16
+PROMPT_LENS = (1, 9, 40, 100)
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# family -> overrides: qwen2 has one KV head (copied onto both ranks) and a tied head; qwen3 an
+# odd vocabulary (the vocabulary-parallel embedding and head pad it).
+MODELS = {
+    "llama": {},
+    "qwen2": dict(num_key_value_heads=1, tie_word_embeddings=True),
+    "qwen3": dict(vocab_size=511),
+}
+
+
+def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def _worker_processes() -> list:
+    """Processes this test process started for tensor parallelism that are still alive."""
+    procs = list(mp.active_children())
+    try:
+        import psutil
+    except ImportError:
+        return procs
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "spawn_main" in " ".join(child.cmdline()):
+                procs.append(child)
+        except psutil.Error:
+            pass
+    return procs
+
+
+def _wait_no_workers(timeout: float = 10.0) -> list:
+    deadline = time.monotonic() + timeout
+    while (left := _worker_processes()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_tp_greedy_matches_hf(tmp_path, family):
+    overrides = MODELS[family]
+    path = make_tiny_model(tmp_path / family, family, **overrides)
+    prompts = _prompts(overrides.get("vocab_size", 512))
+    expected = hf_greedy(path, prompts, MAX_TOKENS)
+    # Small steps: 100-token prompts are prefilled in chunks; qwen3 also plans ahead; llama's
+    # pool holds 24 blocks of 8 (the batch needs ~60), so groups are swapped out and back.
+    kw = dict(block_size=8, max_num_batched_tokens=48, kv_cache_memory=1 << 22)
+    tp_kw = dict(kw, tensor_parallel_size=2, async_scheduling=family == "qwen3")
+    if family == "llama":
+        per_block = 2 * 2 * 8 * 1 * 16 * 4  # K and V, 2 layers, 8 tokens, 1 KV head per rank
+        tp_kw.update(kv_cache_memory=24 * per_block, max_model_len=128,
+                     preemption_mode="swap", swap_space=0.01)  # fmt: skip
+    with LLM(str(path), **tp_kw) as llm:
+        if family == "llama":
+            assert llm.block_manager.num_blocks == 24
+        free_before = llm.block_manager.num_free_blocks
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        # Again: the prompts' full blocks now come from the prefix cache on every rank.
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert sum(o.num_cached_tokens for o in outs) > 0
+        assert llm.block_manager.num_free_blocks == free_before
+        if family == "llama":
+            assert llm.scheduler.num_preemptions > 0
+            # n > 1 seeded samples: rank 0 samples, so they equal a single rank's.
+            params = SamplingParams(n=3, temperature=1.0, top_p=0.9, seed=7, max_tokens=8)
+            got = llm.generate(prompts[:2], params, use_tqdm=False)
+            want = LLM(str(path), **kw).generate(prompts[:2], params, use_tqdm=False)
+            assert [[c.token_ids for c in o.outputs] for o in got] == [
+                [c.token_ids for c in o.outputs] for o in want
+            ]
+            assert len({tuple(c.token_ids) for c in got[0].outputs}) > 1  # the samples differ
+    assert _wait_no_workers() == []
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("llama-tp"), "llama")
+
+
+def test_worker_error_reaches_caller(llama_dir, monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "1:2")  # rank 1 raises at its third step
+    llm = LLM(str(llama_dir), tensor_parallel_size=2, kv_cache_memory=1 << 22)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="injected fault in tensor-parallel rank 1"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    assert time.monotonic() - t0 < 15
+    assert _wait_no_workers() == []
+    with pytest.raises(WorkerError):  # the LLM stays failed, it does not hang
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    llm.shutdown()
+
+
+def test_workers_end_with_their_llm(llama_dir):
+    with LLM(str(llama_dir), tensor_parallel_size=2, kv_cache_memory=1 << 22) as llm:
+        assert len(_worker_processes()) >= 1
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert _wait_no_workers() == []
+    with pytest.raises(RuntimeError, match="stopped"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    # Dropped without shutdown: the workers go with it.
+    llm = LLM(str(llama_dir), tensor_parallel_size=2, kv_cache_memory=1 << 22)
+    del llm
+    gc.collect()
+    assert _wait_no_workers() == []
+
+
+def test_workers_exit_when_the_driver_is_killed(llama_dir, tmp_path):
+    """A driver killed outright (no atexit, no finalizer) takes its workers with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import multiprocessing as mp, sys, time\n"
+        "from nanopaged import LLM\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = LLM({str(llama_dir)!r}, tensor_parallel_size=2, kv_cache_memory=1 << 22)\n"
+        "    print(*[p.pid for p in mp.active_children()], flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env,
+                              text=True)  # fmt: skip
+    try:
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert pids
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    deadline = time.monotonic() + 10
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in pids if _pid_alive(p)]
+    assert alive == []
+
+
+def _pid_alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by init) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_unsplittable_shapes_fail_before_starting(llama_dir):
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        LLM(str(llama_dir), tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        LLM(str(llama_dir), tensor_parallel_size=0)
+    assert _worker_processes() == []
+
+
+def test_dummy_weights_same_for_any_tp_size(llama_dir):
+    """load_format="dummy": one set of random weights from config.json alone, split the way a
+    checkpoint would be, so rank 0 of TP=2 holds exactly its slice of TP=1's weights."""
+    cfg_only = llama_dir.parent / "llama-config-only"
+    cfg_only.mkdir(exist_ok=True)
+    (cfg_only / "config.json").write_text((llama_dir / "config.json").read_text())
+    kw = dict(load_format="dummy", kv_cache_memory=1 << 22, seed=3)
+    whole = LLM(str(cfg_only), **kw).runner.model.model
+    with LLM(str(cfg_only), tensor_parallel_size=2, **kw) as llm:
+        half = llm.runner.model.model
+        emb = whole.embed_tokens.weight
+        assert emb.abs().max() <= 1e-3 and emb.std() > 1e-4
+        assert torch.equal(half.embed_tokens.weight, emb[:256])
+        attn, attn1 = half.layers[1].self_attn, whole.layers[1].self_attn
+        d = attn1.head_dim  # 4 query heads, 2 KV heads
+        assert torch.equal(attn.o_proj.weight, attn1.o_proj.weight[:, : 2 * d])
+        # qkv rows of rank 0: query heads 0-1, then KV head 0 of k and of v
+        w, w1 = attn.qkv_proj.weight, attn1.qkv_proj.weight
+        assert torch.equal(w[: 2 * d], w1[: 2 * d])
+        assert torch.equal(w[2 * d : 3 * d], w1[4 * d : 5 * d])
+        assert torch.equal(w[3 * d :], w1[6 * d : 7 * d])
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)  # fmt: skip
+        assert len(out[0].outputs[0].token_ids) == 4
+    assert _wait_no_workers() == []
+
+
+# ---- two GPUs: NCCL, CUDA graphs on ------------------------------------------------------
+two_gpus = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs at least 2 CUDA devices"
+)
+
+GPU_SHAPES = {
+    "qwen3": dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=64, vocab_size=1001),
+    "llama": dict(hidden_size=512, intermediate_size=1376, num_attention_heads=8,
+                  num_key_value_heads=1, num_hidden_layers=3),
+}  # fmt: skip
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("family", list(GPU_SHAPES))
+def test_gpu_tp2_equals_tp1(tmp_path, family):
+    path = make_tiny_model(tmp_path / family, family, **GPU_SHAPES[family])
+    vocab = GPU_SHAPES[family].get("vocab_size", 512)
+    prompts = _prompts(vocab, seed=1) + [[7] * 33, list(range(3, 60))]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    # Each LLM takes a share of the GPU, so the single-rank one need not be freed first.
+    kw = dict(dtype="float32", max_num_seqs=16, max_model_len=512, block_size=16,
+              gpu_memory_utilization=0.4)  # fmt: skip
+    single = LLM(str(path), **kw)
+    want = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    del single
+    gc.collect()
+    torch.cuda.empty_cache()
+    with LLM(str(path), tensor_parallel_size=2, **kw) as llm:
+        assert llm.runner.graphs is not None  # decode replays CUDA graphs holding all-reduces
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+    assert _wait_no_workers() == []
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_gpu_worker_error_reaches_caller(tmp_path, monkeypatch):
+    path = make_tiny_model(tmp_path / "llama", "llama")
+    monkeypatch.setenv(FAULT_ENV, "1:3")
+    llm = LLM(str(path), tensor_parallel_size=2, max_num_seqs=8, max_model_len=256,
+              gpu_memory_utilization=0.4)  # fmt: skip
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="injected fault"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    assert time.monotonic() - t0 < 30
+    llm.shutdown()
+    assert _wait_no_workers() == []
