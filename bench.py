@@ -82,6 +82,32 @@ def config_only(name: str) -> Path:
     return path
 
 
+def add_tokenizer(path: Path, vocab_size: int) -> None:
+    """A byte-level tokenizer covering ids [0, vocab_size), so stop strings can be benchmarked
+    on a random model: bytes, then two- and three-byte tokens."""
+    if (path / "tokenizer.json").is_file():
+        return
+    from itertools import product
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab["<eos>"] = len(vocab)
+    letters = alphabet[33:]
+    pieces = (a + b for a, b in product(letters, repeat=2))
+    triples = ("".join(t) for t in product(letters, repeat=3))
+    for piece in (*pieces, *triples):
+        if len(vocab) >= vocab_size:
+            break
+        vocab.setdefault(piece, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(path)
+
+
 def workload(num_seqs: int, max_input_len: int, max_output_len: int):
     """nano-vllm's bench.py requests: random token prompts, random output lengths."""
     random.seed(0)
@@ -179,6 +205,8 @@ def run_sampling(args) -> dict:
     from nanopaged import LLM, SamplingParams
 
     model_dir = Path(args.model) if args.model else random_model(QWEN3_0_6B, "qwen3-0.6b", "cuda")
+    if not args.model:
+        add_tokenizer(model_dir, QWEN3_0_6B["vocab_size"])
     prompts, outputs = sharegpt_like()
     llm = LLM(str(model_dir), max_model_len=4096, enforce_eager=args.enforce_eager,
               gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip

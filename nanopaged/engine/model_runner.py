@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -84,6 +83,12 @@ def kv_bytes_per_block(
     return 2 * c.num_layers * block_size * heads * c.head_dim * elem
 
 
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """A host tensor in page-locked memory when CUDA is there: a copy from pageable memory
+    would wait for the device to finish its queued work (stalling asynchronous steps)."""
+    return t.pin_memory() if torch.cuda.is_available() else t
+
+
 # KV budget on CPU when kv_cache_memory is not given.
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 
@@ -154,7 +159,7 @@ class ModelRunner:
         self._tables = BlockTableBuilder()
         # The CPU swap pool (preemption_mode="swap"), see allocate_swap_space.
         self.cpu_kv_cache: torch.Tensor | None = None
-        self._sampling_cache: tuple[tuple[int, ...], SamplingTensors] | None = None
+        self._sampling_cache: tuple[tuple[int, ...], SamplingTensors, list[int]] | None = None
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and not engine_config.enforce_eager:
             self.graphs = DecodeGraphs(
@@ -167,6 +172,8 @@ class ModelRunner:
                 device,
             )
             self.graphs.capture()
+        if device.type == "cuda" and self.tp.rank == 0:
+            self._warm_up_sampler()
 
     def allocate_swap_space(self, num_blocks: int) -> None:
         """Allocate the CPU swap pool: num_blocks blocks shaped like the device cache's."""
@@ -258,7 +265,16 @@ class ModelRunner:
         budget = int(total_bytes * self.config.gpu_memory_utilization)
         return max(0, budget - peak - graph_bytes - not_torch - margin)
 
-    def _profile_sampling(self, logits: torch.Tensor) -> None:
+    def _warm_up_sampler(self) -> None:
+        """Compile the sampler kernel's variants now (Triton specializes on a batch of 1 and on
+        batches that 16 divides), not inside a user's first steps."""
+        vocab = self.model_config.vocab_size
+        for rows in (1, 3, 16):
+            logits = torch.zeros(rows, vocab, dtype=torch.float32, device=self.device)
+            self._profile_sampling(logits, num_logprobs=0)
+        torch.cuda.synchronize()
+
+    def _profile_sampling(self, logits: torch.Tensor, num_logprobs: int = 20) -> None:
         """Run the sampler's most memory-hungry path over logits rows: [rows, vocab] fp32."""
         rows, vocab = logits.shape
         ones = torch.ones(rows, device=self.device)
@@ -270,8 +286,10 @@ class ModelRunner:
             seeds=torch.zeros(rows, dtype=torch.int64, device=self.device),
             offsets=torch.zeros(rows, dtype=torch.int64, device=self.device),
         )
-        sample(logits, st, num_logprobs=20)
-        logits.log_softmax(-1).topk(min(20, vocab), dim=-1)
+        num_logprobs = min(num_logprobs, vocab)
+        sample(logits, st, num_logprobs=num_logprobs)
+        if num_logprobs:
+            logits.log_softmax(-1).topk(num_logprobs, dim=-1)
 
     # ---- one step ------------------------------------------------------------------------
     def _host_arrays(
@@ -329,19 +347,25 @@ class ModelRunner:
         )
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
-        """Per-row settings; the greedy flag and seeds are reused while consecutive steps
-        sample the same sequences, the offsets (output positions) are new each step."""
-        params = [s.sampling_params for s in seqs]
+        """Per-row settings, kept on the device while consecutive steps sample the same
+        sequences: then each row's offset (its output position) just moves on by one, on the
+        device, with no copy from the host."""
         offsets = [s.num_output_tokens for s in seqs]
         key = tuple(s.seq_id for s in seqs)
-        if self._sampling_cache is not None and self._sampling_cache[0] == key:
-            st = self._sampling_cache[1]
-            if st.all_greedy:
-                return st
-            host = torch.tensor(offsets, dtype=torch.int64)
-            return replace(st, offsets=host.to(self.device, non_blocking=True))
+        cached = self._sampling_cache
+        if cached is not None and cached[0] == key:
+            _, st, last = cached
+            if not st.all_greedy and offsets != last:
+                if all(o == p + 1 for o, p in zip(offsets, last)):
+                    st.offsets.add_(1)
+                else:
+                    host = torch.tensor(offsets, dtype=torch.int64)
+                    st.offsets.copy_(_pinned(host), non_blocking=True)
+            self._sampling_cache = (key, st, offsets)
+            return st
+        params = [s.sampling_params for s in seqs]
         st = sampling_tensors(params, [row_stream(s) for s in seqs], offsets, self.device)
-        self._sampling_cache = (key, st)
+        self._sampling_cache = (key, st, offsets)
         return st
 
     def run(

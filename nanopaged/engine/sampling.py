@@ -50,10 +50,12 @@ def sampling_tensors(
     values = torch.tensor(
         [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
         dtype=torch.float32,
-    ).to(device, non_blocking=True)
-    ints = torch.tensor(
-        [[max(p.top_k, 0) for p in params], seeds, offsets], dtype=torch.int64
-    ).to(device, non_blocking=True)
+    )
+    ints = torch.tensor([[max(p.top_k, 0) for p in params], seeds, offsets], dtype=torch.int64)
+    if device.type == "cuda":  # from page-locked memory, so the copy does not wait
+        values, ints = values.pin_memory(), ints.pin_memory()
+    values = values.to(device, non_blocking=True)
+    ints = ints.to(device, non_blocking=True)
     return SamplingTensors(
         temperatures=values[0],
         top_ps=values[1],

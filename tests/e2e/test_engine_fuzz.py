@@ -177,6 +177,8 @@ def run(llm: LLM, w: Workload) -> list:
     assert bm.num_free_blocks == bm.num_blocks, "a block is still held after the workload"
     assert bm.cpu_pool.num_free_blocks == bm.cpu_pool.num_blocks
     assert not llm.scheduler.has_unfinished()
+    if isinstance(w.params, BeamSearchParams):
+        return [[(s.tokens, s.text, s.finish_reason) for s in o.sequences] for o in outs]
     return [
         [(c.index, c.token_ids, c.finish_reason, c.stop_reason, c.text) for c in o.outputs]
         for o in outs
