@@ -102,9 +102,18 @@ def _prompt(rng: random.Random) -> list[int]:
 
 
 def _fit(rng: random.Random, prompt: list[int], width: int, key: EngineKey) -> int | None:
-    """A max_tokens for which `width` sequences of this prompt fit the pool alone."""
+    """A max_tokens for which `width` sequences of this prompt fit the pool alone.
+
+    Half the time it ends the sequence just past a block boundary: its computed tokens then
+    fill whole blocks, all of them cached, so finishing frees no uncached block to be handed
+    out first, and cached blocks of other sequences are next in line (where preempted groups
+    coming back used to collide).
+    """
     for _ in range(8):
         max_tokens = rng.randint(1, 24)
+        if rng.random() < 0.5:
+            aligned = max_tokens - (len(prompt) + max_tokens - 1) % key.block_size
+            max_tokens = aligned if aligned >= 1 else max_tokens
         total = min(len(prompt) + max_tokens, MAX_MODEL_LEN)
         if width * -(-total // key.block_size) <= key.num_blocks:
             return max_tokens

@@ -241,7 +241,9 @@ def test_generation_config_defaults_and_engine_args(model_dir, tmp_path):
         LLM(str(model_dir), trust_remote_code=True)
     with pytest.raises(ValueError, match=r"quantization='awq' is not supported: use None"):
         LLM(str(model_dir), quantization="awq")
-    with pytest.raises(ValueError, match=r"tensor_parallel_size must be 1"):
-        LLM(str(model_dir), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size must be >= 1"):
+        LLM(str(model_dir), tensor_parallel_size=0)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide"):
+        LLM(str(model_dir), tensor_parallel_size=3)
     with pytest.raises(ValueError, match=r"continue_final_message=True .* add_generation_prompt"):
         llm.chat([{"role": "assistant", "content": "x"}], continue_final_message=True)

@@ -162,6 +162,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         every prefix lookup first, then one all-or-nothing allocation. A fresh block for one
         sequence must never be a cached block another of them was promised."""
         waiting = self._waiting()
+        if len(waiting) < 2:
+            return
         seqs = list({id(s): s for s in (waiting[p % len(waiting)] for p in picks)}.values())
         if len(seqs) < 2:
             return
