@@ -677,9 +677,11 @@ class LLM:
                             following,
                             self.runner.launch(following, self.eos_token_ids, prev=handle),
                         )
-                    step = self.scheduler.commit(batch, handle.result())
+                    step = self.scheduler.commit(batch, handle.result(), handle.logprobs())
                 else:
-                    step = self.scheduler.postprocess(batch, handle.result())
+                    step = self.scheduler.postprocess(
+                        batch, handle.result(), handle.logprobs()
+                    )
                 stopped = self._check_stop_strings(step.grown)
                 # Two samples of one request can both stop here: count each request once.
                 done = len(

@@ -54,7 +54,6 @@ class SequenceGroup:
         self.needs_sample_outputs = (
             self.is_beam_search
             or not self.forked
-            or p.logprobs is not None
             or p.has_penalties
             or p.has_logit_controls
         )

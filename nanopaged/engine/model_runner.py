@@ -13,7 +13,7 @@ from nanopaged.config import EngineConfig, ModelConfig
 from nanopaged.distributed.parallel import TensorParallel, local_kv_heads
 from nanopaged.engine.block_tables import BlockTableBuilder
 from nanopaged.engine.cuda_graph import DecodeGraphs
-from nanopaged.engine.sample_output import SampleOutput
+from nanopaged.engine.sample_output import RowLogprobs, SampleOutput
 from nanopaged.engine.sampling import (
     mask_early_stops,
     needs_sample_outputs,
@@ -38,25 +38,42 @@ logger = logging.getLogger(__name__)
 
 
 class StepHandle:
-    """A launched step's samples: on the device, copying to the host, or already there."""
+    """A launched step's samples: on the device, copying to the host, or already there.
+
+    A plain step's raw logprobs (for the rows that asked for them) come back the same way, in
+    the same asynchronous copy as its tokens.
+    """
 
     def __init__(self, outputs: list | None = None) -> None:
         self.outputs = outputs
         self.tokens: torch.Tensor | None = None  # [num_sampled] int64 on the device
-        self._host: torch.Tensor | None = None
+        self._host: list[torch.Tensor] = []
         self._event: torch.cuda.Event | None = None
+        self._logprob_widths: list[int | None] | None = None
+        self._logprobs: list[RowLogprobs | None] | None = None
 
     @classmethod
-    def copy_to_host(cls, tokens: torch.Tensor) -> StepHandle:
+    def copy_to_host(
+        cls,
+        tokens: torch.Tensor,
+        logprobs: tuple[torch.Tensor, ...] | None = None,
+        widths: list[int | None] | None = None,
+    ) -> StepHandle:
+        """tokens: [rows]; logprobs: (sampled [rows], top values [rows, k], top ids [rows, k],
+        sampled token's rank [rows]); widths: per row, the top-k it asked for (None: none)."""
         handle = cls()
         handle.tokens = tokens
+        handle._logprob_widths = widths
+        tensors = [tokens, *(logprobs or ())]
         if tokens.is_cuda:
-            handle._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            handle._host.copy_(tokens, non_blocking=True)
+            for t in tensors:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                handle._host.append(host)
             handle._event = torch.cuda.Event()
             handle._event.record()
         else:
-            handle._host = tokens
+            handle._host = tensors
         return handle
 
     @property
@@ -69,8 +86,30 @@ class StepHandle:
         if self.outputs is None:
             if self._event is not None:
                 self._event.synchronize()
-            self.outputs = self._host.tolist()
+            self.outputs = self._host[0].tolist()
         return self.outputs
+
+    def logprobs(self) -> list[RowLogprobs | None] | None:
+        """Per sampled row of a plain step: (its token's raw logprob, the top-k logprobs plus
+        its own, their ranks), or None for a row that did not ask; None for the whole step
+        when no row did."""
+        if self._logprob_widths is None:
+            return None
+        if self._logprobs is None:
+            tokens = self.result()
+            picked, top_v, top_i, ranks = (t.tolist() for t in self._host[1:])
+            rows: list[RowLogprobs | None] = []
+            for r, want in enumerate(self._logprob_widths):
+                if want is None:
+                    rows.append(None)
+                    continue
+                top = dict(zip(top_i[r][:want], top_v[r][:want]))
+                rank = {t: j + 1 for j, t in enumerate(top_i[r][:want])}
+                top[tokens[r]] = picked[r]
+                rank[tokens[r]] = ranks[r]
+                rows.append((picked[r], top, rank))
+            self._logprobs = rows
+        return self._logprobs
 
 def kv_bytes_per_block(
     model_config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None
@@ -398,8 +437,19 @@ class ModelRunner:
             outputs = sample_sequences(logits, sampled_seqs, eos_token_ids)
             return StepHandle(outputs=outputs)
         mask_early_stops(logits, sampled_seqs, eos_token_ids)
-        tokens = sample(logits, self._sampling_tensors(sampled_seqs)).token_ids
-        return StepHandle.copy_to_host(tokens)
+        widths = [s.sampling_params.logprobs for s in sampled_seqs]
+        if all(w is None for w in widths):
+            tokens = sample(logits, self._sampling_tensors(sampled_seqs)).token_ids
+            return StepHandle.copy_to_host(tokens)
+        # Raw logprobs in the same pass; no row here is masked (see needs_sample_outputs).
+        k = min(max(w or 0 for w in widths), logits.shape[-1])
+        out = sample(logits, self._sampling_tensors(sampled_seqs), k, need_logprobs=True)
+        picked = logits.gather(1, out.token_ids[:, None])
+        ranks = (logits > picked).sum(dim=-1) + 1  # 1-based rank of the sampled token
+        top_v = out.top_logprobs if k else out.logprobs[:, :0]
+        top_i = out.top_token_ids if k else out.token_ids[:, None][:, :0]
+        logprobs = (out.logprobs, top_v, top_i, ranks)
+        return StepHandle.copy_to_host(out.token_ids, logprobs, widths)
 
     def _step_inputs(self, batch: ScheduledBatch) -> StepInputs:
         """The step's host arrays, built from the batch's sequences."""

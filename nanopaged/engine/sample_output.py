@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# A plain step's raw logprobs for one row: the sampled token's, the top-k plus the sampled
+# token's {id: logprob}, and their 1-based ranks {id: rank}.
+RowLogprobs = tuple[float, dict[int, float], dict[int, int]]
+
 
 @dataclass
 class SampleOutput:

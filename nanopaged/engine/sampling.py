@@ -15,16 +15,19 @@ from nanopaged.sampling_params import SamplingParams
 
 
 def needs_sample_outputs(seqs: list[Sequence]) -> bool:
-    """Whether any of seqs needs this module rather than one plain token per row."""
+    """Whether any of seqs needs this module rather than one plain token (and its raw
+    logprobs) per row: a fork, a beam, penalties, logit controls, or logprobs while min_tokens
+    masks the row (the plain path would report the masked distribution)."""
     for seq in seqs:
+        p = seq.sampling_params
         group = seq.group
         if group is not None:
             if group.needs_sample_outputs:
                 return True
-        else:
-            p = seq.sampling_params
-            if p.logprobs is not None or p.has_penalties or p.has_logit_controls:
-                return True
+        elif p.has_penalties or p.has_logit_controls:
+            return True
+        if p.logprobs is not None and seq.num_output_tokens < p.min_tokens:
+            return True
     return False
 
 

@@ -9,7 +9,7 @@ from nanopaged.config import PREEMPTION_MODES
 from nanopaged.engine.beam import beam_search_step, finalize_beams
 from nanopaged.engine.block_manager import BlockManager
 from nanopaged.engine.group import SequenceGroup
-from nanopaged.engine.sample_output import SampleOutput
+from nanopaged.engine.sample_output import RowLogprobs, SampleOutput
 from nanopaged.engine.sequence import Sequence, SequenceStatus
 
 # Stands for a sampled token that is still on the device (asynchronous scheduling).
@@ -258,23 +258,29 @@ class Scheduler:
         return sum(counts)
 
     def postprocess(
-        self, batch: ScheduledBatch, sampled: list[int] | list[SampleOutput]
+        self,
+        batch: ScheduledBatch,
+        sampled: list[int] | list[SampleOutput],
+        logprobs: list[RowLogprobs | None] | None = None,
     ) -> StepOutput:
         """Advance computed counts, append sampled tokens (forking and stepping beams), finish
         sequences.
 
         `sampled` holds, in batch order, a token id or a SampleOutput for each sequence of the
-        batch that samples.
+        batch that samples; `logprobs`, beside plain token ids, each row's raw logprobs.
         """
         bm = self.block_manager
         step = StepOutput()
         outputs = iter(sampled)
+        row_logprobs = iter(logprobs) if logprobs is not None else None
         beam_results: dict[int, list[tuple[Sequence, SampleOutput]]] = {}
         for i, seq in enumerate(batch.seqs):
             samples = batch.samples(i)
             if seq.is_finished:  # ended while this step was in flight: drop its sample
                 if samples:
                     next(outputs)
+                    if row_logprobs is not None:
+                        next(row_logprobs)
                 continue
             seq.num_computed_tokens += batch.num_scheduled_tokens[i]
             bm.cache_full_blocks(seq)
@@ -283,6 +289,8 @@ class Scheduler:
             out = next(outputs)
             if not isinstance(out, SampleOutput):  # a plain token id
                 seq.token_ids.append(out)
+                if row_logprobs is not None:
+                    _append_logprobs(seq, next(row_logprobs))
                 step.grown.append(seq)
                 self._finish_if_stopped(seq, step)
                 continue
@@ -357,16 +365,23 @@ class Scheduler:
                 seq.pending_row = row
                 row += 1
 
-    def commit(self, batch: ScheduledBatch, sampled: list[int]) -> StepOutput:
-        """Put an advanced step's sampled tokens in place of the placeholders; finish sequences
-        that stop. A sequence that already finished drops its token."""
+    def commit(
+        self,
+        batch: ScheduledBatch,
+        sampled: list[int],
+        logprobs: list[RowLogprobs | None] | None = None,
+    ) -> StepOutput:
+        """Put an advanced step's sampled tokens (and their logprobs) in place of the
+        placeholders; finish sequences that stop. A sequence that already finished drops its
+        token."""
         step = StepOutput()
         for seq in batch.seqs:
             if seq.pending_row is None:
                 continue
-            token = sampled[seq.pending_row]
-            seq.pending_row = None
-            seq.token_ids[-1] = token
+            row, seq.pending_row = seq.pending_row, None
+            seq.token_ids[-1] = sampled[row]
+            if logprobs is not None:
+                _append_logprobs(seq, logprobs[row])
             step.grown.append(seq)
             self._finish_if_stopped(seq, step)
         return step
@@ -441,6 +456,14 @@ def _reset_for_recompute(seq: Sequence) -> None:
     seq.num_registered_blocks = 0
     seq.status = SequenceStatus.WAITING
     seq.num_preemptions += 1
+
+
+def _append_logprobs(seq: Sequence, row: RowLogprobs | None) -> None:
+    if row is not None:
+        picked, top, ranks = row
+        seq.cumulative_logprob += picked
+        seq.logprobs.append(top)
+        seq.logprob_ranks.append(ranks)
 
 
 def _append(seq: Sequence, out: SampleOutput, j: int) -> None:

@@ -27,10 +27,13 @@ class SamplingTensors:
     all_greedy: bool = False
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors, num_logprobs: int = 0) -> FusedSample:
+def sample(
+    logits: torch.Tensor, st: SamplingTensors, num_logprobs: int = 0, need_logprobs: bool = False
+) -> FusedSample:
     """logits: [batch, vocab] -> tokens [batch] int64 and their raw logprobs (before
-    temperature and filters), with the top num_logprobs of each row when asked for."""
-    if st.all_greedy and num_logprobs == 0:
+    temperature and filters: computed when need_logprobs or num_logprobs > 0), with the top
+    num_logprobs of each row when asked for."""
+    if st.all_greedy and num_logprobs == 0 and not need_logprobs:
         tokens = logits.argmax(dim=-1)
         return FusedSample(tokens, torch.zeros_like(tokens, dtype=torch.float32), None, None)
     args = (logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, st.seeds, st.offsets)

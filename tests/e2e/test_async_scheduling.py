@@ -118,3 +118,39 @@ def test_stop_strings_and_forked_samples_run_ahead(model_dir):
     assert sum(c[2] == "stop" for o in got for c in o) >= 3
     # Most steps ran ahead: only the prefill and the fork steps wait for their samples.
     assert llm.scheduler.num_advanced_steps >= 10
+
+
+def test_logprobs_run_ahead_and_equal_sync(model_dir):
+    """Raw logprobs come back with the tokens of a plain step, so logprobs requests run
+    asynchronously; they equal the synchronous run's (ids, values and ranks)."""
+    prompts = _prompts(5, seed=6)
+    params = [
+        SamplingParams(temperature=0.7, seed=i, max_tokens=12, ignore_eos=True, logprobs=k)
+        for i, k in enumerate([0, 1, 3, 5, None])
+    ]
+
+    def run(async_scheduling):
+        llm = LLM(str(model_dir), kv_cache_memory=1 << 22, async_scheduling=async_scheduling)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return llm, [
+            (c.token_ids, c.cumulative_logprob,
+             c.logprobs and [{t: (round(v.logprob, 5), v.rank) for t, v in d.items()}
+                             for d in c.logprobs])
+            for o in outs for c in o.outputs
+        ]  # fmt: skip
+
+    _, sync = run(False)
+    llm, ahead = run(True)
+    assert [a[0] for a in ahead] == [s[0] for s in sync]
+    assert [a[2] for a in ahead] == [s[2] for s in sync]
+    for (_, a, _), (_, s, _) in zip(ahead, sync):
+        assert (a is None) == (s is None) and (a is None or abs(a - s) < 1e-4)
+    assert llm.scheduler.num_advanced_steps >= 8
+    # Each token's entry: the top-k asked for plus the sampled token, ranked from 1.
+    for (tokens, _, lps), p in zip(sync, params):
+        if p.logprobs is None:
+            assert lps is None
+            continue
+        for t, d in zip(tokens, lps):
+            assert t in d and len(d) in (p.logprobs, p.logprobs + 1)
+            assert sorted(r for _, r in d.values())[: p.logprobs] == list(range(1, p.logprobs + 1))
