@@ -19,7 +19,7 @@ from nanopaged.distributed.workers import TPWorkers, check_device_count
 from nanopaged.engine.block_manager import BlockManager, KVStats
 from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.model_runner import ModelRunner, kv_bytes_per_block
-from nanopaged.engine.output_processor import find_stop_string
+from nanopaged.engine.output_processor import find_stop_strings
 from nanopaged.engine.prompt_logprobs import compute_prompt_logprobs
 from nanopaged.engine.scheduler import Scheduler
 from nanopaged.engine.sequence import Sequence, SequenceStatus
@@ -708,20 +708,21 @@ class LLM:
 
     def _check_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
         """Finish sequences whose text now holds a stop string; returns those it finished."""
+        watched = [
+            s for s in seqs
+            if s.sampling_params.stop and s.num_output_tokens >= s.sampling_params.min_tokens
+        ]  # fmt: skip
+        if not watched:
+            return []
         finished = []
-        for seq in seqs:
+        for seq, idx, stop, full in find_stop_strings(watched, self.tokenizer):
             p = seq.sampling_params
-            if not p.stop or seq.num_output_tokens < p.min_tokens:
-                continue
-            hit = find_stop_string(seq, self.tokenizer)
-            if hit is not None:
-                idx, stop, full = hit
-                seq.text = full[: idx + len(stop)] if p.include_stop_str_in_output else full[:idx]
-                if seq.is_finished:  # ended by length or EOS this very step: the string wins
-                    seq.finish_reason, seq.stop_reason = "stop", stop
-                else:
-                    self.scheduler.finish(seq, "stop", stop)
-                    finished.append(seq)
+            seq.text = full[: idx + len(stop)] if p.include_stop_str_in_output else full[:idx]
+            if seq.is_finished:  # ended by length or EOS this very step: the string wins
+                seq.finish_reason, seq.stop_reason = "stop", stop
+            else:
+                self.scheduler.finish(seq, "stop", stop)
+                finished.append(seq)
         return finished
 
     def _completion(self, seq: Sequence) -> CompletionOutput:

@@ -1,7 +1,8 @@
 """Turning sampled tokens into text as they arrive: incremental detokenization and stop strings.
 
 Each step decodes only a short window of a sequence's newest tokens, so the work per token does
-not grow with the output's length (a full decode every step is quadratic in it).
+not grow with the output's length (a full decode every step is quadratic in it), and the
+windows of all sequences go to the tokenizer in one batched call.
 """
 
 from __future__ import annotations
@@ -23,37 +24,67 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0  # start of the decoding window
         self.read_offset = 0  # tokens whose text is already in self.text
 
-    def update(self, tokenizer, token_ids: list[int]) -> str:
-        """Extend the text with token_ids[read_offset:]; returns the whole text so far."""
+    def windows(self, token_ids: list[int]) -> tuple[list[int], list[int]] | None:
+        """(tokens already read, all tokens) of the window to decode; None: nothing new."""
         if len(token_ids) <= self.read_offset:
-            return self.text
-        skip = self.skip_special_tokens
+            return None
         window = token_ids[self.prefix_offset :]
-        seen = window[: self.read_offset - self.prefix_offset]
-        prefix = tokenizer.decode(seen, skip_special_tokens=skip)
-        full = tokenizer.decode(window, skip_special_tokens=skip)
+        return window[: self.read_offset - self.prefix_offset], window
+
+    def advance(self, num_tokens: int, prefix: str, full: str) -> None:
+        """Take the decoded window texts of a list of num_tokens token ids."""
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.text += full[len(prefix) :]
             self.prefix_offset = self.read_offset
-            self.read_offset = len(token_ids)
+            self.read_offset = num_tokens
+
+    def update(self, tokenizer, token_ids: list[int]) -> str:
+        """Extend the text with token_ids[read_offset:]; returns the whole text so far."""
+        update_texts(tokenizer, [(self, token_ids)])
         return self.text
 
 
-def find_stop_string(seq: Sequence, tokenizer) -> tuple[int, str, str] | None:
-    """The first stop string of seq's output text that the newest tokens completed, as (index
-    in the full output text, the string, the full output text); None when there is none."""
-    p = seq.sampling_params
-    detok = seq.detokenizer
-    if detok is None:
-        detok = seq.detokenizer = IncrementalDetokenizer(p.skip_special_tokens)
-    before = len(detok.text)
-    text = detok.update(tokenizer, seq.output_token_ids)
-    # Only the tail can hold a stop string that was not there a token ago.
-    start = max(0, before - max(len(s) for s in p.stop) + 1)
-    hits = [(i, s) for i, s in ((text.find(s, start), s) for s in p.stop) if i >= 0]
-    if not hits:
-        return None
-    # Found in the window's text: place it in the full decode, which is what users get.
-    full = tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
-    hits = [(i, s) for i, s in ((full.find(s), s) for s in p.stop) if i >= 0]
-    return (*min(hits), full) if hits else None
+def update_texts(tokenizer, items: list[tuple[IncrementalDetokenizer, list[int]]]) -> None:
+    """Bring every detokenizer's text up to its token list, in one batched decode per
+    skip_special_tokens setting."""
+    for skip in (True, False):
+        todo = []
+        for detok, ids in items:
+            if detok.skip_special_tokens == skip:
+                w = detok.windows(ids)
+                if w is not None:
+                    todo.append((detok, len(ids), w))
+        if not todo:
+            continue
+        texts = tokenizer.batch_decode(
+            [w[0] for _, _, w in todo] + [w[1] for _, _, w in todo], skip_special_tokens=skip
+        )
+        for i, (detok, n, _) in enumerate(todo):
+            detok.advance(n, texts[i], texts[len(todo) + i])
+
+
+def find_stop_strings(seqs: list[Sequence], tokenizer) -> list[tuple[Sequence, int, str, str]]:
+    """The sequences whose newest tokens completed a stop string in their output text, each as
+    (seq, index in the full output text, the string, the full output text)."""
+    items, before = [], []
+    for seq in seqs:
+        if seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(seq.sampling_params.skip_special_tokens)
+        items.append((seq.detokenizer, seq.output_token_ids))
+        before.append(len(seq.detokenizer.text))
+    update_texts(tokenizer, items)
+    found = []
+    for seq, start_len in zip(seqs, before):
+        stops = seq.sampling_params.stop
+        text = seq.detokenizer.text
+        # Only the tail can hold a stop string that was not there a token ago.
+        start = max(0, start_len - max(len(s) for s in stops) + 1)
+        if not any(text.find(s, start) >= 0 for s in stops):
+            continue
+        # Found in the windows' text: place it in the full decode, which is what users get.
+        skip = seq.sampling_params.skip_special_tokens
+        full = tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip)
+        hits = [(i, s) for i, s in ((full.find(s), s) for s in stops) if i >= 0]
+        if hits:
+            found.append((seq, *min(hits), full))
+    return found
