@@ -6,6 +6,7 @@ import functools
 import math
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -33,25 +34,43 @@ def paged_decode_ref(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Torch reference. q: [batch, num_heads, head_dim] -> [batch, num_heads, head_dim]."""
+    """Torch reference. q: [batch, num_heads, head_dim] -> [batch, num_heads, head_dim].
+
+    Also the CPU path: one gather of the blocks the longest context needs, then one fused
+    SDPA call in which each KV head's query group plays the part of the query rows, so GQA
+    needs no repeated K/V. An empty context yields zeros, as the kernel writes.
+    """
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    max_blocks = block_tables.shape[1]
-    # k, v: [batch, max_blocks * block_size, num_kv_heads, head_dim]
-    k = k_cache[block_tables.long()].reshape(batch, max_blocks * block_size, num_kv_heads, head_dim)
-    v = v_cache[block_tables.long()].reshape(batch, max_blocks * block_size, num_kv_heads, head_dim)
-    k = k.float().repeat_interleave(group, dim=2)
-    v = v.float().repeat_interleave(group, dim=2)
-    # scores: [batch, num_heads, max_blocks * block_size]
-    scores = torch.einsum("bhd,bthd->bht", q.float(), k) * scale
-    pos = torch.arange(max_blocks * block_size, device=q.device)
-    past_end = pos[None, None, :] >= context_lens.to(q.device)[:, None, None]
-    scores.masked_fill_(past_end, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    # Slots past the context hold whatever was there (even NaN): 0 * NaN would leak into out.
-    v = v.masked_fill(past_end[:, 0, :, None, None], 0.0)
-    return torch.einsum("bht,bthd->bhd", probs, v).to(q.dtype)
+    max_len = int(context_lens.max()) if batch else 0
+    if max_len == 0:
+        return torch.zeros_like(q)
+    num_blocks = -(-max_len // block_size)
+    tables = block_tables[:, :num_blocks].long()
+    # k, v: [batch, num_blocks * block_size, num_kv_heads, head_dim] (fresh copies)
+    k = k_cache[tables].flatten(1, 2)
+    v = v_cache[tables].flatten(1, 2)
+    # valid: [batch, num_blocks * block_size]
+    valid = torch.arange(k.shape[1], device=q.device)[None, :] < context_lens[:, None]
+    all_valid = bool(valid.all())
+    if not all_valid:
+        # Slots past a context hold anything, even NaN, and 0 * NaN would leak through the
+        # softmax weights: zero them in the copies.
+        k.masked_fill_(~valid[:, :, None, None], 0.0)
+        v.masked_fill_(~valid[:, :, None, None], 0.0)
+    # qg: [batch, num_kv_heads, group, head_dim]; k, v: [batch, num_kv_heads, tokens, head_dim]
+    qg = q.float().view(batch, num_kv_heads, group, head_dim)
+    k = k.float().transpose(1, 2)
+    v = v.float().transpose(1, 2)
+    # Rows with an empty context see no key; unmask them and zero their output below.
+    empty = context_lens == 0
+    mask = None if all_valid else (valid | empty[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    out = out.reshape(batch, num_heads, head_dim)
+    if not all_valid and bool(empty.any()):
+        out.masked_fill_(empty[:, None, None], 0.0)
+    return out.to(q.dtype)
 
 
 @functools.cache
