@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +22,40 @@ def gather_kv(
     """Read the first context_len tokens of one sequence through its block table."""
     block_size = cache.shape[1]
     num_blocks = (context_len + block_size - 1) // block_size
-    # blocks: [num_blocks, block_size, num_kv_heads, head_dim]
-    blocks = cache[block_table[:num_blocks].long()]
+    # blocks: [num_blocks, block_size, num_kv_heads, head_dim] (index_select: see
+    # paged_decode_ref)
+    blocks = cache.index_select(0, block_table[:num_blocks])
     return blocks.reshape(-1, *cache.shape[2:])[:context_len]
+
+
+@dataclass
+class DecodePlan:
+    """What paged_decode_ref derives from block tables and lengths alone: the same for every
+    layer of a step, so the CPU path builds it once per step instead of once per layer."""
+
+    tables: torch.Tensor  # [batch * num_blocks] int32, the blocks the longest context needs
+    num_tokens: int  # tokens kept per sequence: the longest context
+    past_end: torch.Tensor | None  # [batch, num_tokens, 1, 1] bool, slots to zero; None: none
+    mask: torch.Tensor | None  # [batch, 1, 1, num_tokens] bool SDPA mask; None: all visible
+    empty: torch.Tensor | None  # [batch, 1, 1] bool, rows with no context; None: none
+
+
+def decode_plan(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int
+) -> DecodePlan:
+    """The gather and masks of paged_decode_ref for these block tables and context lengths."""
+    max_len = int(context_lens.max()) if context_lens.numel() else 0
+    num_blocks = -(-max_len // block_size)
+    tables = block_tables[:, :num_blocks].flatten()
+    if bool((context_lens == max_len).all()):
+        # Equal lengths (always so at batch 1): slicing to max_len drops every stale slot.
+        return DecodePlan(tables, max_len, None, None, None)
+    valid = torch.arange(max_len, device=context_lens.device)[None, :] < context_lens[:, None]
+    is_empty = context_lens == 0
+    # Rows with an empty context see no key: unmask them (no NaN) and zero their output.
+    mask = (valid | is_empty[:, None])[:, None, None, :]
+    empty = is_empty[:, None, None] if bool(is_empty.any()) else None
+    return DecodePlan(tables, max_len, (~valid)[:, :, None, None], mask, empty)
 
 
 def paged_decode_ref(
@@ -33,43 +65,38 @@ def paged_decode_ref(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
     """Torch reference. q: [batch, num_heads, head_dim] -> [batch, num_heads, head_dim].
 
     Also the CPU path: one gather of the blocks the longest context needs, then one fused
     SDPA call in which each KV head's query group plays the part of the query rows, so GQA
-    needs no repeated K/V. An empty context yields zeros, as the kernel writes.
+    needs no repeated K/V. An empty context yields zeros, as the kernel writes. `plan`, when
+    given, must be decode_plan(block_tables, context_lens, block_size).
     """
     batch, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    max_len = int(context_lens.max()) if batch else 0
-    if max_len == 0:
+    num_kv_heads = k_cache.shape[2]
+    if plan is None:
+        plan = decode_plan(block_tables, context_lens, k_cache.shape[1])
+    if plan.num_tokens == 0:
         return torch.zeros_like(q)
-    num_blocks = -(-max_len // block_size)
-    tables = block_tables[:, :num_blocks].long()
-    # k, v: [batch, num_blocks * block_size, num_kv_heads, head_dim] (fresh copies)
-    k = k_cache[tables].flatten(1, 2)
-    v = v_cache[tables].flatten(1, 2)
-    # valid: [batch, num_blocks * block_size]
-    valid = torch.arange(k.shape[1], device=q.device)[None, :] < context_lens[:, None]
-    all_valid = bool(valid.all())
-    if not all_valid:
+    # k, v: [batch, num_tokens, num_kv_heads, head_dim] (fresh copies; index_select, not
+    # advanced indexing, which on CPU threads its loop over the whole cache: ms per call)
+    k = k_cache.index_select(0, plan.tables).view(batch, -1, num_kv_heads, head_dim)
+    v = v_cache.index_select(0, plan.tables).view(batch, -1, num_kv_heads, head_dim)
+    k, v = k[:, : plan.num_tokens], v[:, : plan.num_tokens]
+    if plan.past_end is not None:
         # Slots past a context hold anything, even NaN, and 0 * NaN would leak through the
         # softmax weights: zero them in the copies.
-        k.masked_fill_(~valid[:, :, None, None], 0.0)
-        v.masked_fill_(~valid[:, :, None, None], 0.0)
+        k.masked_fill_(plan.past_end, 0.0)
+        v.masked_fill_(plan.past_end, 0.0)
     # qg: [batch, num_kv_heads, group, head_dim]; k, v: [batch, num_kv_heads, tokens, head_dim]
-    qg = q.float().view(batch, num_kv_heads, group, head_dim)
-    k = k.float().transpose(1, 2)
-    v = v.float().transpose(1, 2)
-    # Rows with an empty context see no key; unmask them and zero their output below.
-    empty = context_lens == 0
-    mask = None if all_valid else (valid | empty[:, None])[:, None, None, :]
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    qg = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    k, v = k.float().transpose(1, 2), v.float().transpose(1, 2)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.mask, scale=scale)
     out = out.reshape(batch, num_heads, head_dim)
-    if not all_valid and bool(empty.any()):
-        out.masked_fill_(empty[:, None, None], 0.0)
+    if plan.empty is not None:
+        out.masked_fill_(plan.empty, 0.0)
     return out.to(q.dtype)
 
 

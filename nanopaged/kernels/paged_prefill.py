@@ -33,9 +33,6 @@ def paged_prefill_ref(
     context_len, so nothing stale is read) and one fused causal SDPA call, never a full
     score matrix in memory.
     """
-    num_heads, head_dim = q.shape[1:]
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     lens = context_lens.tolist()
@@ -44,28 +41,27 @@ def paged_prefill_ref(
         q_len = end - start
         if q_len == 0:
             continue
-        # qs: [num_heads, q_len, head_dim]; k, v: [num_kv_heads, context_len, head_dim]
-        qs = q[start:end].float().transpose(0, 1)
-        k = gather_kv(k_cache, block_tables[i], context_len).float().transpose(0, 1)
-        v = gather_kv(v_cache, block_tables[i], context_len).float().transpose(0, 1)
-        if q_len == 1:
-            # One query sees the whole context: each KV head's group is its query rows.
-            rows = qs.reshape(num_kv_heads, group, head_dim)
-            o = F.scaled_dot_product_attention(rows, k, v, scale=scale)
-            out[start] = o.reshape(num_heads, head_dim).to(q.dtype)
-            continue
-        if group > 1:
-            k = k.repeat_interleave(group, 0)
-            v = v.repeat_interleave(group, 0)
+        # qs: [1, num_heads, q_len, head_dim]; k, v: [1, num_kv_heads, context_len, head_dim]
+        # (4-D: torch's fused CPU attention takes nothing else, 3-D falls back to the math path)
+        qs = q[start:end].float().transpose(0, 1)[None]
+        k = gather_kv(k_cache, block_tables[i], context_len).float().transpose(0, 1)[None]
+        v = gather_kv(v_cache, block_tables[i], context_len).float().transpose(0, 1)[None]
+        # enable_gqa: the fused CPU kernel maps each query head to its KV head, no repeat copy.
         if q_len == context_len:
-            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(
+                qs, k, v, is_causal=True, scale=scale, enable_gqa=True
+            )
+        elif q_len == 1:
+            o = F.scaled_dot_product_attention(qs, k, v, scale=scale, enable_gqa=True)
         else:
             # A cached prefix: the causal diagonal is bottom-right aligned.
             q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
             k_pos = torch.arange(context_len, device=q.device)
             mask = k_pos[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
-        out[start:end] = o.transpose(0, 1).to(q.dtype)
+            o = F.scaled_dot_product_attention(
+                qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        out[start:end] = o[0].transpose(0, 1).to(q.dtype)
     return out
 
 
