@@ -3,6 +3,7 @@
 python bench.py [--model PATH] [--compare hf] [--json PATH]      throughput
 python bench.py --kernels [--json PATH]                           kernel microbenchmarks
 python bench.py --memory                                          KV memory / sharing figures
+python bench.py --cpu [--rounds N] [--threads T] [--json PATH]    CPU: SmolLM2 against HF
 Without --model, a random Qwen3-0.6B-shaped bf16 model is built offline and cached. On a
 machine without CUDA the workload shrinks (stated in the output) so it finishes in minutes.
 """
@@ -145,6 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default=None, help="write every figure here")
     parser.add_argument("--kernels", action="store_true", help="kernel microbenchmarks")
     parser.add_argument("--memory", action="store_true", help="KV memory and sharing figures")
+    parser.add_argument("--cpu", action="store_true", help="CPU: embedded SmolLM2 against HF")
     args, rest = parser.parse_known_args(argv)
 
     root = Path(__file__).resolve().parent
@@ -157,6 +159,13 @@ def main(argv: list[str] | None = None) -> dict:
         import memory_bench
 
         return memory_bench.main(rest + (["--json", args.json] if args.json else []))
+    if args.cpu:
+        import cpu_bench
+
+        result = cpu_bench.main(rest)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2))
+        return result
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
 

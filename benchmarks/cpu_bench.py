@@ -125,12 +125,10 @@ def run_cpu_bench(rounds: int = 3, threads: int | None = None) -> dict:
     for r in range(rounds):
         for name, (nano_fn, hf_fn) in rows(r).items():
             t = times.setdefault(name, {"nanopaged": [], "hf": []})
-            if r % 2 == 0:
-                t["nanopaged"].append(_timed(nano_fn))
-                t["hf"].append(_timed(hf_fn))
-            else:
-                t["hf"].append(_timed(hf_fn))
-                t["nanopaged"].append(_timed(nano_fn))
+            order = [("nanopaged", nano_fn), ("hf", hf_fn)]
+            for engine, fn in order if r % 2 == 0 else order[::-1]:
+                t[engine].append(_timed(fn))
+                print(f"  round {r} {name}: {engine} {t[engine][-1]:.2f} s", flush=True)
     result = {"threads": torch.get_num_threads(), "rounds": rounds, "load_s": load_s, "rows": {}}
     for name, t in times.items():
         nano_s, hf_s = statistics.median(t["nanopaged"]), statistics.median(t["hf"])
@@ -147,9 +145,15 @@ def print_result(result: dict) -> None:
               f"{row['speedup']:>7.2f}x")
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None)
-    args = parser.parse_args()
-    print_result(run_cpu_bench(args.rounds, args.threads))
+    parser.add_argument("--threads", type=int, default=None, help="torch threads for both")
+    args = parser.parse_args(argv)
+    result = run_cpu_bench(args.rounds, args.threads)
+    print_result(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
