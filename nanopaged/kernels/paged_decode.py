@@ -34,28 +34,18 @@ class DecodePlan:
     layer of a step, so the CPU path builds it once per step instead of once per layer."""
 
     tables: torch.Tensor  # [batch * num_blocks] int32, the blocks the longest context needs
-    num_tokens: int  # tokens kept per sequence: the longest context
-    past_end: torch.Tensor | None  # [batch, num_tokens, 1, 1] bool, slots to zero; None: none
-    mask: torch.Tensor | None  # [batch, 1, 1, num_tokens] bool SDPA mask; None: all visible
-    empty: torch.Tensor | None  # [batch, 1, 1] bool, rows with no context; None: none
+    num_tokens: int  # the longest context
+    context_lens: list[int] | None  # each sequence's length; None when all are num_tokens
 
 
 def decode_plan(
     block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int
 ) -> DecodePlan:
-    """The gather and masks of paged_decode_ref for these block tables and context lengths."""
-    max_len = int(context_lens.max()) if context_lens.numel() else 0
-    num_blocks = -(-max_len // block_size)
-    tables = block_tables[:, :num_blocks].flatten()
-    if bool((context_lens == max_len).all()):
-        # Equal lengths (always so at batch 1): slicing to max_len drops every stale slot.
-        return DecodePlan(tables, max_len, None, None, None)
-    valid = torch.arange(max_len, device=context_lens.device)[None, :] < context_lens[:, None]
-    is_empty = context_lens == 0
-    # Rows with an empty context see no key: unmask them (no NaN) and zero their output.
-    mask = (valid | is_empty[:, None])[:, None, None, :]
-    empty = is_empty[:, None, None] if bool(is_empty.any()) else None
-    return DecodePlan(tables, max_len, (~valid)[:, :, None, None], mask, empty)
+    """The gather of paged_decode_ref for these block tables and context lengths."""
+    lens = context_lens.tolist()
+    max_len = max(lens, default=0)
+    tables = block_tables[:, : -(-max_len // block_size)].flatten()
+    return DecodePlan(tables, max_len, None if min(lens, default=0) == max_len else lens)
 
 
 def paged_decode_ref(
@@ -69,9 +59,11 @@ def paged_decode_ref(
 ) -> torch.Tensor:
     """Torch reference. q: [batch, num_heads, head_dim] -> [batch, num_heads, head_dim].
 
-    Also the CPU path: one gather of the blocks the longest context needs, then one fused
-    SDPA call in which each KV head's query group plays the part of the query rows, so GQA
-    needs no repeated K/V. An empty context yields zeros, as the kernel writes. `plan`, when
+    Also the CPU path: one gather of the blocks the longest context needs, then fused SDPA
+    in which each KV head's query group plays the part of the query rows, so GQA needs no
+    repeated K/V. Each sequence attends to exactly its own tokens (one call for the batch
+    when the lengths are equal), so stale slots past a context, even NaN, are never read and
+    no mask is built. An empty context yields zeros, as the kernel writes. `plan`, when
     given, must be decode_plan(block_tables, context_lens, block_size).
     """
     batch, num_heads, head_dim = q.shape
@@ -80,24 +72,26 @@ def paged_decode_ref(
         plan = decode_plan(block_tables, context_lens, k_cache.shape[1])
     if plan.num_tokens == 0:
         return torch.zeros_like(q)
-    # k, v: [batch, num_tokens, num_kv_heads, head_dim] (fresh copies; index_select, not
-    # advanced indexing, which on CPU threads its loop over the whole cache: ms per call)
+    # k, v: [batch, num_kv_heads, num_tokens, head_dim], strided views of fresh gathers
+    # (index_select, not advanced indexing, which on CPU threads its loop over the whole
+    # cache: milliseconds per call at 2 threads)
     k = k_cache.index_select(0, plan.tables).view(batch, -1, num_kv_heads, head_dim)
     v = v_cache.index_select(0, plan.tables).view(batch, -1, num_kv_heads, head_dim)
-    k, v = k[:, : plan.num_tokens], v[:, : plan.num_tokens]
-    if plan.past_end is not None:
-        # Slots past a context hold anything, even NaN, and 0 * NaN would leak through the
-        # softmax weights: zero them in the copies.
-        k.masked_fill_(plan.past_end, 0.0)
-        v.masked_fill_(plan.past_end, 0.0)
-    # qg: [batch, num_kv_heads, group, head_dim]; k, v: [batch, num_kv_heads, tokens, head_dim]
+    k = k[:, : plan.num_tokens].float().transpose(1, 2)
+    v = v[:, : plan.num_tokens].float().transpose(1, 2)
+    # qg: [batch, num_kv_heads, group, head_dim]
     qg = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    k, v = k.float().transpose(1, 2), v.float().transpose(1, 2)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.mask, scale=scale)
-    out = out.reshape(batch, num_heads, head_dim)
-    if plan.empty is not None:
-        out.masked_fill_(plan.empty, 0.0)
-    return out.to(q.dtype)
+    if plan.context_lens is None:
+        out = F.scaled_dot_product_attention(qg, k, v, scale=scale)
+        return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+    out = torch.zeros_like(q)
+    for i, n in enumerate(plan.context_lens):
+        if n:
+            o = F.scaled_dot_product_attention(
+                qg[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], scale=scale
+            )
+            out[i] = o.view(num_heads, head_dim)
+    return out
 
 
 @functools.cache
