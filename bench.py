@@ -6,6 +6,7 @@ python bench.py --sampling [--json PATH]                          ShareGPT-like,
 python bench.py --memory                                          KV memory / sharing figures
 python bench.py --load-format dummy --model-shape llama3-70b --tensor-parallel-size 8
                  random weights of a published shape from its config.json alone, N GPUs
+python bench.py --cpu [--rounds N] [--threads T] [--json PATH]    CPU: SmolLM2 against HF
 Without --model, a random Qwen3-0.6B-shaped bf16 model is built offline and cached. On a
 machine without CUDA the workload shrinks (stated in the output) so it finishes in minutes.
 """
@@ -276,6 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="dummy: random weights from config.json alone")  # fmt: skip
     parser.add_argument("--model-shape", choices=list(SHAPES), default=None,
                         help="with --load-format dummy: a published model's shape")  # fmt: skip
+    parser.add_argument("--cpu", action="store_true", help="CPU: embedded SmolLM2 against HF")
     args, rest = parser.parse_known_args(argv)
 
     root = Path(__file__).resolve().parent
@@ -295,6 +297,13 @@ def main(argv: list[str] | None = None) -> dict:
         import memory_bench
 
         return memory_bench.main(rest + (["--json", args.json] if args.json else []))
+    if args.cpu:
+        import cpu_bench
+
+        result = cpu_bench.main(rest)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2))
+        return result
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
 

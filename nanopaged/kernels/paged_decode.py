@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -20,9 +22,30 @@ def gather_kv(
     """Read the first context_len tokens of one sequence through its block table."""
     block_size = cache.shape[1]
     num_blocks = (context_len + block_size - 1) // block_size
-    # blocks: [num_blocks, block_size, num_kv_heads, head_dim]
-    blocks = cache[block_table[:num_blocks].long()]
+    # blocks: [num_blocks, block_size, num_kv_heads, head_dim] (index_select: see
+    # paged_decode_ref)
+    blocks = cache.index_select(0, block_table[:num_blocks])
     return blocks.reshape(-1, *cache.shape[2:])[:context_len]
+
+
+@dataclass
+class DecodePlan:
+    """What paged_decode_ref derives from block tables and lengths alone: the same for every
+    layer of a step, so the CPU path builds it once per step instead of once per layer."""
+
+    tables: torch.Tensor  # [batch * num_blocks] int32, the blocks the longest context needs
+    num_tokens: int  # the longest context
+    context_lens: list[int] | None  # each sequence's length; None when all are num_tokens
+
+
+def decode_plan(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int
+) -> DecodePlan:
+    """The gather of paged_decode_ref for these block tables and context lengths."""
+    lens = context_lens.tolist()
+    max_len = max(lens, default=0)
+    tables = block_tables[:, : -(-max_len // block_size)].flatten()
+    return DecodePlan(tables, max_len, None if min(lens, default=0) == max_len else lens)
 
 
 def paged_decode_ref(
@@ -32,26 +55,43 @@ def paged_decode_ref(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
-    """Torch reference. q: [batch, num_heads, head_dim] -> [batch, num_heads, head_dim]."""
+    """Torch reference. q: [batch, num_heads, head_dim] -> [batch, num_heads, head_dim].
+
+    Also the CPU path: one gather of the blocks the longest context needs, then fused SDPA
+    in which each KV head's query group plays the part of the query rows, so GQA needs no
+    repeated K/V. Each sequence attends to exactly its own tokens (one call for the batch
+    when the lengths are equal), so stale slots past a context, even NaN, are never read and
+    no mask is built. An empty context yields zeros, as the kernel writes. `plan`, when
+    given, must be decode_plan(block_tables, context_lens, block_size).
+    """
     batch, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    max_blocks = block_tables.shape[1]
-    # k, v: [batch, max_blocks * block_size, num_kv_heads, head_dim]
-    k = k_cache[block_tables.long()].reshape(batch, max_blocks * block_size, num_kv_heads, head_dim)
-    v = v_cache[block_tables.long()].reshape(batch, max_blocks * block_size, num_kv_heads, head_dim)
-    k = k.float().repeat_interleave(group, dim=2)
-    v = v.float().repeat_interleave(group, dim=2)
-    # scores: [batch, num_heads, max_blocks * block_size]
-    scores = torch.einsum("bhd,bthd->bht", q.float(), k) * scale
-    pos = torch.arange(max_blocks * block_size, device=q.device)
-    past_end = pos[None, None, :] >= context_lens.to(q.device)[:, None, None]
-    scores.masked_fill_(past_end, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    # Slots past the context hold whatever was there (even NaN): 0 * NaN would leak into out.
-    v = v.masked_fill(past_end[:, 0, :, None, None], 0.0)
-    return torch.einsum("bht,bthd->bhd", probs, v).to(q.dtype)
+    num_kv_heads = k_cache.shape[2]
+    if plan is None:
+        plan = decode_plan(block_tables, context_lens, k_cache.shape[1])
+    if plan.num_tokens == 0:
+        return torch.zeros_like(q)
+    # k, v: [batch, num_kv_heads, num_tokens, head_dim], strided views of fresh gathers
+    # (index_select, not advanced indexing, which on CPU threads its loop over the whole
+    # cache: milliseconds per call at 2 threads)
+    k = k_cache.index_select(0, plan.tables).view(batch, -1, num_kv_heads, head_dim)
+    v = v_cache.index_select(0, plan.tables).view(batch, -1, num_kv_heads, head_dim)
+    k = k[:, : plan.num_tokens].float().transpose(1, 2)
+    v = v[:, : plan.num_tokens].float().transpose(1, 2)
+    # qg: [batch, num_kv_heads, group, head_dim]
+    qg = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    if plan.context_lens is None:
+        out = F.scaled_dot_product_attention(qg, k, v, scale=scale)
+        return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+    out = torch.zeros_like(q)
+    for i, n in enumerate(plan.context_lens):
+        if n:
+            o = F.scaled_dot_product_attention(
+                qg[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], scale=scale
+            )
+            out[i] = o.view(num_heads, head_dim)
+    return out
 
 
 @functools.cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from nanopaged.kernels.paged_decode import check_paged_inputs, dot_precision, gather_kv
 
@@ -28,9 +29,10 @@ def paged_prefill_ref(
 
     Sequence i owns queries cu_seqlens_q[i]:cu_seqlens_q[i+1]; they are its last tokens, so
     query j sits at position context_lens[i] - q_len + j and sees keys 0..that position.
+    Also the CPU path: per sequence, one gather of its context (only slots below
+    context_len, so nothing stale is read) and one fused causal SDPA call, never a full
+    score matrix in memory.
     """
-    num_heads = q.shape[1]
-    group = num_heads // k_cache.shape[2]
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     lens = context_lens.tolist()
@@ -39,16 +41,27 @@ def paged_prefill_ref(
         q_len = end - start
         if q_len == 0:
             continue
-        # k, v: [context_len, num_heads, head_dim]
-        k = gather_kv(k_cache, block_tables[i], context_len).float().repeat_interleave(group, 1)
-        v = gather_kv(v_cache, block_tables[i], context_len).float().repeat_interleave(group, 1)
-        # scores: [num_heads, q_len, context_len]
-        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
-        q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
-        k_pos = torch.arange(context_len, device=q.device)
-        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        # qs: [1, num_heads, q_len, head_dim]; k, v: [1, num_kv_heads, context_len, head_dim]
+        # (4-D: torch's fused CPU attention takes nothing else, 3-D falls back to the math path)
+        qs = q[start:end].float().transpose(0, 1)[None]
+        k = gather_kv(k_cache, block_tables[i], context_len).float().transpose(0, 1)[None]
+        v = gather_kv(v_cache, block_tables[i], context_len).float().transpose(0, 1)[None]
+        # enable_gqa: the fused CPU kernel maps each query head to its KV head, no repeat copy.
+        if q_len == context_len:
+            o = F.scaled_dot_product_attention(
+                qs, k, v, is_causal=True, scale=scale, enable_gqa=True
+            )
+        elif q_len == 1:
+            o = F.scaled_dot_product_attention(qs, k, v, scale=scale, enable_gqa=True)
+        else:
+            # A cached prefix: the causal diagonal is bottom-right aligned.
+            q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
+            k_pos = torch.arange(context_len, device=q.device)
+            mask = k_pos[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(
+                qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        out[start:end] = o[0].transpose(0, 1).to(q.dtype)
     return out
 
 

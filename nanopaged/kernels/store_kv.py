@@ -22,10 +22,14 @@ def store_kv_ref(
     # k_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     #       -> [num_slots, num_kv_heads, head_dim]
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep].to(v_cache.dtype)
+    slots = slot_mapping.long()
+    if bool((slots < 0).any()):
+        keep = torch.nonzero(slots >= 0).flatten()
+        slots, key, value = slots[keep], key[keep], value[keep]
+    # index_copy_, not boolean-mask assignment: on CPU that threads its loop over the whole
+    # cache and costs milliseconds per call at 2 threads.
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
 if triton is not None:

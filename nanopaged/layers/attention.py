@@ -20,6 +20,8 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [batch + 1] int32
     max_seqlen_q: int
     max_context_len: int
+    # CPU decode: the gather plan shared by every layer of the step, built by the first.
+    decode_plan: paged_decode.DecodePlan | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -59,7 +61,13 @@ class Attention(nn.Module):
                 return paged_decode.paged_decode(
                     *args, meta.context_lens, self.scale, max_context_len=meta.max_context_len
                 )
-            return paged_decode.paged_decode_ref(*args, meta.context_lens, self.scale)
+            if meta.decode_plan is None:
+                meta.decode_plan = paged_decode.decode_plan(
+                    meta.block_tables, meta.context_lens, k_cache.shape[1]
+                )
+            return paged_decode.paged_decode_ref(
+                *args, meta.context_lens, self.scale, plan=meta.decode_plan
+            )
         if use_triton:
             return paged_prefill.paged_prefill(
                 *args,

@@ -50,6 +50,7 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self._last_cos_sin: tuple | None = None
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -61,12 +62,29 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if q.is_cuda:
             return apply_rotary(q, k, self.cos, self.sin, positions)
-        # q: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, 1, head_dim]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        q = q * cos + self._rotate_half(q) * sin
-        k = k * cos + self._rotate_half(k) * sin
-        return q, k
+        cos, sin = self._cos_sin(positions, q.dtype)
+        # qk: [num_tokens, num_heads + num_kv_heads, head_dim]; on CPU each op's dispatch is a
+        # visible share of a decode step, so q and k rotate together (the same math per element).
+        qk = torch.cat([q, k], dim=1)
+        qk = qk * cos + self._rotate_half(qk) * sin
+        return qk.split([q.shape[1], k.shape[1]], dim=1)
+
+    def _cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [num_tokens, 1, head_dim] at positions; every layer of a step asks for the
+        same rows, so they are looked up once (compared by value: a tensor may be reused)."""
+        last = self._last_cos_sin
+        if (
+            last is None
+            or last[0].shape != positions.shape
+            or last[1].dtype != dtype
+            or not torch.equal(last[0], positions)
+        ):
+            cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
+            sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
+            last = self._last_cos_sin = (positions.clone(), cos, sin)
+        return last[1], last[2]
 
     def forward_with_qk_norm(
         self,
