@@ -446,7 +446,7 @@ class ModelRunner:
         out = sample(logits, self._sampling_tensors(sampled_seqs), k, need_logprobs=True)
         picked = logits.gather(1, out.token_ids[:, None])
         ranks = (logits > picked).sum(dim=-1) + 1  # 1-based rank of the sampled token
-        top_v = out.top_logprobs if k else out.logprobs[:, :0]
+        top_v = out.top_logprobs if k else out.logprobs[:, None][:, :0]
         top_i = out.top_token_ids if k else out.token_ids[:, None][:, :0]
         logprobs = (out.logprobs, top_v, top_i, ranks)
         return StepHandle.copy_to_host(out.token_ids, logprobs, widths)
@@ -518,7 +518,7 @@ class ModelRunner:
             return None
         # A plain torch.tensor(..., device=cuda) would wait for the device: copy asynchronously.
         rows = torch.from_numpy(step.logits_indices).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden[rows])
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
         return None if logits is None else logits.float()
 
     @staticmethod

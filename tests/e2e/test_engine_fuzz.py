@@ -23,7 +23,7 @@ from tiny_models import add_byte_tokenizer, make_tiny_model
 
 from nanopaged import LLM, BeamSearchParams, SamplingParams
 
-NUM_WORKLOADS = int(os.environ.get("NANOPAGED_FUZZ", "300"))
+NUM_WORKLOADS = int(os.environ.get("NANOPAGED_FUZZ", "400"))
 FUZZ_SEED = int(os.environ.get("NANOPAGED_FUZZ_SEED", "0"))
 MAX_MODEL_LEN = 64
 VOCAB = 512
@@ -144,15 +144,28 @@ def _sampling(rng: random.Random, prompt: list[int], key: EngineKey, tok) -> Sam
 
 
 def random_workload(rng: random.Random, tok) -> Workload:
+    if rng.random() < 0.5:
+        key = _random_engine(rng)
+    else:
+        # Preempted groups recomputed with prefix caching in the smallest pools: the setting
+        # where a group coming back competes with its own cached blocks.
+        key = EngineKey(8, rng.choice([8, 9, 10, 12]), True, "recompute", 512)
+    return _random_requests(rng, tok, key)
+
+
+def _random_engine(rng: random.Random) -> EngineKey:
     block_size = rng.choice([8, 16])
     num_blocks = rng.choice([8, 10, 12, 16]) if block_size == 8 else rng.choice([4, 5, 6, 8])
-    key = EngineKey(
+    return EngineKey(
         block_size=block_size,
         num_blocks=num_blocks,
         enable_prefix_caching=rng.random() < 0.6,
         preemption_mode=rng.choice(["recompute", "swap"]),
         max_num_batched_tokens=rng.choice([16, 512]),
     )
+
+
+def _random_requests(rng: random.Random, tok, key: EngineKey) -> Workload:
     if rng.random() < 0.2:
         width = rng.choice([2, 3])
         prompts, max_tokens = [], 16

@@ -131,7 +131,7 @@ def test_soak(tmp_path_factory, monkeypatch):
             width = rng.randint(1, 3)
             outs = llm.beam_search(prompts[:4], BeamSearchParams(width, rng.randint(1, 6)),
                                    use_tqdm=False)  # fmt: skip
-            assert all(len(o.outputs) == width for o in outs)
+            assert all(len(o.sequences) == width for o in outs)
             beams += 1
         else:
             _check_outputs(prompts, params, llm.generate(prompts, params, use_tqdm=False))
