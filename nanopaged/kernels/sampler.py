@@ -76,17 +76,24 @@ def allowed_mask_ref(
     m = x.max(dim=1, keepdim=True).values
     ks = top_ks.long()
     use_k = (ks > 0) & (ks < vocab)
-    kth = x.sort(dim=1, descending=True).values.gather(1, (ks.clamp(1, vocab) - 1)[:, None])
-    allowed &= ~use_k[:, None] | (x >= kth)
-    # F(token) = sum of e over allowed tokens with strictly greater x, ties counted together.
-    e = torch.where(allowed, torch.exp(x - m), torch.zeros_like(x))
-    asc, order = x.masked_fill(~allowed, float("-inf")).sort(dim=1)
-    suffix = e.gather(1, order).flip(1).cumsum(1).flip(1)  # suffix[j]: e of asc[j:]
-    suffix = torch.cat([suffix, torch.zeros_like(suffix[:, :1])], dim=1)
-    mass_above = suffix.gather(1, torch.searchsorted(asc, x, right=True))
-    limit = top_ps.float()[:, None] * e.sum(dim=1, keepdim=True)
-    allowed &= (top_ps[:, None] >= 1) | (mass_above <= limit)
-    allowed &= x - m >= torch.log(min_ps.float())[:, None]
+    # The filters a batch does not use are skipped whole (the CPU path runs this every step).
+    if bool(use_k.any()):
+        kth = x.topk(int(ks[use_k].max()), dim=1).values.gather(
+            1, (ks.clamp(1, vocab) - 1).clamp(max=int(ks[use_k].max()) - 1)[:, None]
+        )
+        allowed &= ~use_k[:, None] | (x >= kth)
+    if bool((top_ps < 1).any()):
+        # F(token) = sum of e over allowed tokens with strictly greater x, ties counted
+        # together.
+        e = torch.where(allowed, torch.exp(x - m), torch.zeros_like(x))
+        asc, order = x.masked_fill(~allowed, float("-inf")).sort(dim=1)
+        suffix = e.gather(1, order).flip(1).cumsum(1).flip(1)  # suffix[j]: e of asc[j:]
+        suffix = torch.cat([suffix, torch.zeros_like(suffix[:, :1])], dim=1)
+        mass_above = suffix.gather(1, torch.searchsorted(asc, x, right=True))
+        limit = top_ps.float()[:, None] * e.sum(dim=1, keepdim=True)
+        allowed &= (top_ps[:, None] >= 1) | (mass_above <= limit)
+    if bool((min_ps > 0).any()):
+        allowed &= x - m >= torch.log(min_ps.float())[:, None]
     return allowed
 
 
