@@ -276,6 +276,7 @@ class LLM:
         )
         self._request_counter = 0
         self._num_drawn_seeds = 0
+        self._decoded_tokens: dict[int, str] = {}
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any; the LLM cannot generate afterwards."""
@@ -558,7 +559,17 @@ class LLM:
         """token id -> its text, for Logprob.decoded_token (None without a tokenizer)."""
         if self.tokenizer is None:
             return None
-        return lambda token: self.tokenizer.decode([token])
+        # Memoized: an output with logprobs names k + 1 tokens per generated token, and one
+        # tokenizer call each would cost more than generating them.
+        cache = self._decoded_tokens
+
+        def decode(token: int) -> str:
+            text = cache.get(token)
+            if text is None:
+                text = cache[token] = self.tokenizer.decode([token])
+            return text
+
+        return decode
 
     def _draw_seed(self) -> int:
         """The seed of a sampled request that has none: the next of a stream derived from the

@@ -112,10 +112,14 @@ def sample_ref(
     greedy = raw.argmax(dim=1)
     temps = torch.where(temperatures == 0, torch.ones_like(temperatures), temperatures)
     x = raw / temps.float()[:, None]
-    allowed = allowed_mask_ref(logits, temperatures, top_ks, top_ps, min_ps)
-    gumbel = -torch.log(-torch.log(uniform_ref(seeds, offsets, raw.shape[1])))
-    sampled = torch.where(allowed, x + gumbel, float("-inf")).argmax(dim=1)
-    tokens = torch.where(temperatures == 0, greedy, sampled)
+    tokens = greedy
+    rows = (temperatures != 0).nonzero().flatten()
+    if len(rows):  # noise only for the rows that sample (the CPU path runs this every step)
+        sub = (logits[rows], temperatures[rows], top_ks[rows], top_ps[rows], min_ps[rows])
+        allowed = allowed_mask_ref(*sub)
+        gumbel = -torch.log(-torch.log(uniform_ref(seeds[rows], offsets[rows], raw.shape[1])))
+        sampled = torch.where(allowed, x[rows] + gumbel, float("-inf")).argmax(dim=1)
+        tokens = greedy.index_copy(0, rows, sampled)
     logprobs = raw.log_softmax(dim=1)
     top_lp = top_ids = None
     if num_logprobs > 0:
