@@ -79,3 +79,13 @@ def add_byte_tokenizer(path: Path, vocab_size: int = 512) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(path)
+
+
+def add_chat_template(path: Path, template: str) -> None:
+    """Put a chat template into the tokenizer saved beside a tiny model."""
+    import json
+
+    cfg_path = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = template
+    cfg_path.write_text(json.dumps(cfg))

@@ -12,7 +12,7 @@ import json
 import math
 
 import pytest
-from tiny_models import add_byte_tokenizer, make_tiny_model
+from tiny_models import add_byte_tokenizer, add_chat_template, make_tiny_model
 
 from nanopaged import LLM, BeamSearchParams, SamplingParams
 
@@ -29,10 +29,7 @@ CHAT_TEMPLATE = (
 def model_dir(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("llama"), "llama", max_position_embeddings=256)
     add_byte_tokenizer(path)
-    cfg_path = path / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = CHAT_TEMPLATE
-    cfg_path.write_text(json.dumps(cfg))
+    add_chat_template(path, CHAT_TEMPLATE)
     return path
 
 

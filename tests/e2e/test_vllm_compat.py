@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from tiny_models import add_byte_tokenizer, make_tiny_model
+from tiny_models import add_byte_tokenizer, add_chat_template, make_tiny_model
 
 MAX_MODEL_LEN = 256
 CHAT_TEMPLATE = (
@@ -27,10 +27,7 @@ def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
     make_tiny_model(path, "llama", max_position_embeddings=MAX_MODEL_LEN)
     add_byte_tokenizer(path)
-    cfg_path = path / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = CHAT_TEMPLATE
-    cfg_path.write_text(json.dumps(cfg))
+    add_chat_template(path, CHAT_TEMPLATE)
     return path
 
 
