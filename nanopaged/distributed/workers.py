@@ -216,12 +216,16 @@ class TPWorkers:
         if self._closed:
             return
         self._closed = True
-        if not abort and self.error is None:
+        orderly = not abort and self.error is None
+        if orderly:
             for conn in self.conns:
                 try:
                     conn.send_bytes(np.array([_STOP], dtype=np.int64).tobytes())
                 except OSError:
                     pass
+            # Every rank leaves the group together: NCCL's destroy finalizes the communicator
+            # with the peers, so rank 0 must not wait for the workers to exit first.
+            _leave_group(abort=False)
             deadline = time.monotonic() + 10.0
             for proc in self.procs:
                 proc.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -231,15 +235,25 @@ class TPWorkers:
             proc.join(timeout=5.0)
         for conn in self.conns:
             conn.close()
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # an aborted NCCL group may refuse; nothing is left to free
-                pass
+        _leave_group(abort=True)
 
     @property
     def alive(self) -> bool:
         return not self._closed and self.error is None
+
+
+def _leave_group(abort: bool) -> None:
+    """Destroy the default process group if there is one; abort: its peers are gone, so a
+    NCCL group is aborted rather than finalized with them."""
+    if not dist.is_initialized():
+        return
+    try:
+        if abort and dist.get_backend() == "nccl":
+            dist.distributed_c10d._abort_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # an aborted NCCL group may refuse; nothing is left to free
+        pass
 
 
 def check_device_count(size: int, device: torch.device) -> None:
