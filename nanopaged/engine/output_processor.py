@@ -24,11 +24,15 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0  # start of the decoding window
         self.read_offset = 0  # tokens whose text is already in self.text
 
-    def windows(self, token_ids: list[int]) -> tuple[list[int], list[int]] | None:
-        """(tokens already read, all tokens) of the window to decode; None: nothing new."""
-        if len(token_ids) <= self.read_offset:
+    def windows(
+        self, token_ids: list[int], start: int = 0
+    ) -> tuple[list[int], list[int]] | None:
+        """(tokens already read, all tokens) of the window to decode, for the text of
+        token_ids[start:] (slicing only the window: no copy of the whole output each step);
+        None: nothing new."""
+        if len(token_ids) - start <= self.read_offset:
             return None
-        window = token_ids[self.prefix_offset :]
+        window = token_ids[start + self.prefix_offset :]
         return window[: self.read_offset - self.prefix_offset], window
 
     def advance(self, num_tokens: int, prefix: str, full: str) -> None:
@@ -40,20 +44,22 @@ class IncrementalDetokenizer:
 
     def update(self, tokenizer, token_ids: list[int]) -> str:
         """Extend the text with token_ids[read_offset:]; returns the whole text so far."""
-        update_texts(tokenizer, [(self, token_ids)])
+        update_texts(tokenizer, [(self, token_ids, 0)])
         return self.text
 
 
-def update_texts(tokenizer, items: list[tuple[IncrementalDetokenizer, list[int]]]) -> None:
-    """Bring every detokenizer's text up to its token list, in one batched decode per
+def update_texts(
+    tokenizer, items: list[tuple[IncrementalDetokenizer, list[int], int]]
+) -> None:
+    """Bring every detokenizer's text up to its (token list, start), in one batched decode per
     skip_special_tokens setting."""
     for skip in (True, False):
         todo = []
-        for detok, ids in items:
+        for detok, ids, start in items:
             if detok.skip_special_tokens == skip:
-                w = detok.windows(ids)
+                w = detok.windows(ids, start)
                 if w is not None:
-                    todo.append((detok, len(ids), w))
+                    todo.append((detok, len(ids) - start, w))
         if not todo:
             continue
         texts = tokenizer.batch_decode(
@@ -70,7 +76,7 @@ def find_stop_strings(seqs: list[Sequence], tokenizer) -> list[tuple[Sequence, i
     for seq in seqs:
         if seq.detokenizer is None:
             seq.detokenizer = IncrementalDetokenizer(seq.sampling_params.skip_special_tokens)
-        items.append((seq.detokenizer, seq.output_token_ids))
+        items.append((seq.detokenizer, seq.token_ids, seq.num_prompt_tokens))
         before.append(len(seq.detokenizer.text))
     update_texts(tokenizer, items)
     found = []
