@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 
@@ -61,6 +62,8 @@ class TPWorkers:
         self._failed = threading.Event()
         self._closed = False
         self._step_open = False
+        # Set by rank 0's ModelRunner: drops its CUDA graphs, which hold NCCL work.
+        self.before_leave: Callable[[], None] | None = None
         if self.backend == "nccl":
             # On a collective error NCCL's watchdog would by default kill the whole process,
             # i.e. the caller's: only abort the communicator, so a WorkerError can be raised.
@@ -158,13 +161,10 @@ class TPWorkers:
     def _fail(self, rank: int, detail: str) -> None:
         if self.error is None:
             self.error = WorkerError(f"tensor-parallel worker {rank} failed:\n{detail}")
+        # NCCL would wait for the dead rank forever: abort so rank 0's kernels return, and only
+        # then wake the driver thread, which must not abort the same group concurrently.
+        _abort_nccl()
         self._failed.set()
-        if self.backend == "nccl" and dist.is_initialized():
-            # NCCL would wait for the dead rank forever: abort so rank 0's kernels return.
-            try:
-                dist.distributed_c10d._abort_process_group()
-            except Exception:  # best effort; the collective timeout is the backstop
-                pass
 
     def _collective_failed(self, error: BaseException) -> None:
         """Rank 0's collective failed: raise the worker's error if one failed (or does soon)."""
@@ -218,6 +218,8 @@ class TPWorkers:
         self._closed = True
         orderly = not abort and self.error is None
         if orderly:
+            if self.before_leave is not None:
+                self.before_leave()
             for conn in self.conns:
                 try:
                     conn.send_bytes(np.array([_STOP], dtype=np.int64).tobytes())
@@ -242,18 +244,50 @@ class TPWorkers:
         return not self._closed and self.error is None
 
 
+# Aborting a NCCL group can itself block (while a CUDA graph holds its kernels, say), and two
+# threads aborting one group at once deadlock inside it: one abort runs at a time, in its own
+# thread, and nothing waits on it longer than this, so an error always reaches the caller.
+ABORT_WAIT_S = 10.0
+_abort_lock = threading.Lock()
+_abort_thread: threading.Thread | None = None
+
+
+def _abort_default_group() -> None:
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception:  # best effort; the collective timeout is the backstop
+        pass
+
+
+def _abort_nccl() -> bool:
+    """Abort the default NCCL group (aborting also removes it); False while the abort is still
+    blocked after ABORT_WAIT_S. Nothing to do for gloo or no group."""
+    global _abort_thread
+    with _abort_lock:
+        if not dist.is_initialized() or dist.get_backend() != "nccl":
+            return True
+        if _abort_thread is None or not _abort_thread.is_alive():
+            _abort_thread = threading.Thread(
+                target=_abort_default_group, name="nanopaged-nccl-abort", daemon=True
+            )
+            _abort_thread.start()
+        thread = _abort_thread
+    thread.join(ABORT_WAIT_S)
+    return not thread.is_alive()
+
+
 def _leave_group(abort: bool) -> None:
     """Destroy the default process group if there is one; abort: its peers are gone, so a
     NCCL group is aborted rather than finalized with them."""
-    if not dist.is_initialized():
-        return
-    try:
-        if abort and dist.get_backend() == "nccl":
-            dist.distributed_c10d._abort_process_group()
-        if dist.is_initialized():
+    if abort and not _abort_nccl():
+        return  # the abort is stuck; destroying the group would block the same way
+    with _abort_lock:
+        if not dist.is_initialized():
+            return
+        try:
             dist.destroy_process_group()
-    except Exception:  # an aborted NCCL group may refuse; nothing is left to free
-        pass
+        except Exception:  # an aborted NCCL group may refuse; nothing is left to free
+            pass
 
 
 def check_device_count(size: int, device: torch.device) -> None:
@@ -308,6 +342,7 @@ def _worker_main(
         tp = TensorParallel(rank, size, dist.group.WORLD)
         runner = ModelRunner(**runner_kwargs, device=device, tp=tp)
         _serve(runner, conn, rank)
+        runner.release_graphs()
     except BaseException:
         try:
             conn.send(("error", traceback.format_exc()))

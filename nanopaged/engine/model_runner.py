@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -213,6 +214,17 @@ class ModelRunner:
             self.graphs.capture()
         if device.type == "cuda" and self.tp.rank == 0:
             self._warm_up_sampler()
+        if workers is not None:
+            workers.before_leave = self.release_graphs
+
+    def release_graphs(self) -> None:
+        """Drop the captured decode graphs once the device is idle; under tensor parallelism
+        they hold NCCL work, so they must be gone before the process group is."""
+        if self.graphs is None:
+            return
+        torch.cuda.synchronize(self.device)
+        self.graphs = None
+        gc.collect()
 
     def allocate_swap_space(self, num_blocks: int) -> None:
         """Allocate the CPU swap pool: num_blocks blocks shaped like the device cache's."""

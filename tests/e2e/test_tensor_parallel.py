@@ -248,11 +248,12 @@ def test_gpu_tp2_equals_tp1(tmp_path, family):
 
 @pytest.mark.gpu
 @two_gpus
-def test_gpu_worker_error_reaches_caller(tmp_path, monkeypatch):
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda_graphs"])
+def test_gpu_worker_error_reaches_caller(tmp_path, monkeypatch, enforce_eager):
     path = make_tiny_model(tmp_path / "llama", "llama")
     monkeypatch.setenv(FAULT_ENV, "1:3")
     llm = LLM(str(path), tensor_parallel_size=2, max_num_seqs=8, max_model_len=256,
-              gpu_memory_utilization=0.4)  # fmt: skip
+              gpu_memory_utilization=0.4, enforce_eager=enforce_eager)  # fmt: skip
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match="injected fault"):
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
