@@ -150,11 +150,11 @@ if triton is not None:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
 
-def _tile_config(num_slots: int, num_experts: int) -> dict:
+def tile_config(num_slots: int, num_experts: int) -> dict:
     """Row tile by how many slots an expert gets on average: decode batches give a few each."""
     per_expert = num_slots / num_experts
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
-    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, num_warps=4)
+    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
 
 
 def fused_moe(
@@ -163,8 +163,10 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    config: dict | None = None,
 ) -> torch.Tensor:
-    """Same contract as fused_moe_ref, in two grouped Triton GEMMs."""
+    """Same contract as fused_moe_ref, in two grouped Triton GEMMs; config overrides
+    tile_config's launch settings (benchmarks sweep it)."""
     assert triton is not None, "fused_moe needs triton; use fused_moe_ref"
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -178,7 +180,7 @@ def fused_moe(
     num_slots = num_tokens * top_k
     if num_slots == 0:
         return torch.zeros_like(x)
-    cfg = _tile_config(num_slots, num_experts)
+    cfg = config or tile_config(num_slots, num_experts)
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     sorted_slots, block_experts = moe_align(topk_ids, num_experts, block_m)
     weights = topk_weights.reshape(-1).contiguous()
@@ -192,14 +194,14 @@ def fused_moe(
         num_slots, num_experts, hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION=precision, num_warps=cfg["num_warps"],
+        DOT_PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     _down_kernel[(num_tiles, triton.cdiv(hidden, block_n))](
         act, w2, slot_out, weights, sorted_slots, block_experts,
         num_slots, num_experts, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), slot_out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision,
-        num_warps=cfg["num_warps"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     # [num_tokens, top_k, hidden] -> [num_tokens, hidden], accumulated in fp32 by torch
     return slot_out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
