@@ -151,10 +151,13 @@ if triton is not None:
 
 
 def tile_config(num_slots: int, num_experts: int) -> dict:
-    """Row tile by how many slots an expert gets on average: decode batches give a few each."""
+    """Launch settings by how many slots an expert gets on average: decode batches give a few
+    each, so row tiles stay small (each expert's weights read about once); with fewer slots
+    than experts only a few experts run, so narrower column tiles give more programs."""
     per_expert = num_slots / num_experts
-    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
-    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+    block_m = 16 if per_expert <= 8 else 32 if per_expert <= 32 else 64
+    block_n = 32 if num_slots < num_experts else 64
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, num_warps=4, num_stages=3)
 
 
 def fused_moe(
