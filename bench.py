@@ -6,6 +6,7 @@ python bench.py --sampling [--json PATH]                          ShareGPT-like,
 python bench.py --memory                                          KV memory / sharing figures
 python bench.py --load-format dummy --model-shape llama3-70b --tensor-parallel-size 8
                  random weights of a published shape from its config.json alone, N GPUs
+                 (qwen3-30b-a3b: mixture of experts; its roofline counts the experts touched)
 python bench.py --cpu [--rounds N] [--threads T] [--json PATH]    CPU: SmolLM2 against HF
 Without --model, a random Qwen3-0.6B-shaped bf16 model is built offline and cached. On a
 machine without CUDA the workload shrinks (stated in the output) so it finishes in minutes.
@@ -43,9 +44,16 @@ LLAMA3_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                   num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                   head_dim=128, max_position_embeddings=8192, rope_theta=500000.0,
                   rms_norm_eps=1e-5, tie_word_embeddings=False)  # fmt: skip
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                     head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0,
+                     rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts=128,
+                     num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                     decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
 # --model-shape name -> (transformers config class name, shape)
 SHAPES = {"qwen3-0.6b": ("Qwen3Config", QWEN3_0_6B), "qwen3-32b": ("Qwen3Config", QWEN3_32B),
-          "llama3-70b": ("LlamaConfig", LLAMA3_70B)}  # fmt: skip
+          "llama3-70b": ("LlamaConfig", LLAMA3_70B),
+          "qwen3-30b-a3b": ("Qwen3MoeConfig", QWEN3_30B_A3B)}  # fmt: skip
 TINY = dict(QWEN3_0_6B, hidden_size=256, intermediate_size=768, num_hidden_layers=4)
 TINY.update(num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=32000)
 
@@ -138,14 +146,36 @@ def copy_bandwidth_tbps() -> float:
 
 def decode_roofline_bytes(llm, prompts, max_tokens) -> float:
     """Fewest HBM bytes the decode steps must read: each running sequence's KV every step,
-    plus the weights once per step (steps = the longest request's outputs, all in flight)."""
+    plus the weights once per step (steps = the longest request's outputs, all in flight).
+
+    Mixture-of-experts layers count only the experts a step touches: with B sequences in
+    flight, each picking top_k of E experts, the expected number of distinct experts is
+    E * (1 - (1 - top_k / E) ** B) per layer (routing taken as uniform: each token's choice
+    is a uniform top_k-subset, independent of the others; random weights route that way).
+    B at step s is the number of requests with more than s outputs.
+    """
+    from nanopaged.layers.moe import MoEExperts
+
     c = llm.model_config
     elem = torch.empty((), dtype=llm.dtype).element_size()
     # Per GPU: under tensor parallelism each reads its own KV heads and weight shard at once.
     kv_per_token = 2 * c.num_layers * llm.runner.num_kv_heads * c.head_dim * elem
     kv_tokens = sum(m * len(p) + m * (m - 1) // 2 for p, m in zip(prompts, max_tokens))
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.runner.model.parameters())
-    return kv_tokens * kv_per_token + max(max_tokens) * weight_bytes
+    model = llm.runner.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    experts = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    if not experts:
+        return kv_tokens * kv_per_token + max(max_tokens) * weight_bytes
+    all_experts = sum((m.w13.numel() + m.w2.numel()) * m.w13.element_size() for m in experts)
+    dense_bytes = weight_bytes - all_experts
+    # one expert of every MoE layer (this rank's shard of it)
+    per_expert = all_experts / c.num_experts
+    e, k = c.num_experts, c.num_experts_per_tok
+    expert_bytes = sum(
+        e * (1 - (1 - k / e) ** sum(m > s for m in max_tokens)) * per_expert
+        for s in range(max(max_tokens))
+    )
+    return kv_tokens * kv_per_token + max(max_tokens) * dense_bytes + expert_bytes
 
 
 def run_hf(model_dir: Path, prompts, max_tokens, num: int) -> dict:
@@ -299,10 +329,16 @@ def main(argv: list[str] | None = None) -> dict:
         import sampler_bench
 
         sampler_rows = sampler_bench.run_sampler_bench("cuda")
+        import moe_bench
+
+        moe_rows = moe_bench.main(
+            ["--json", str(Path(args.json).with_name(Path(args.json).stem + "_moe.json"))]
+            if args.json else []
+        )  # fmt: skip
         if args.json:
             out = Path(args.json)
             out.with_name(out.stem + "_sampler.json").write_text(json.dumps(sampler_rows, indent=2))
-        return rows + sampler_rows
+        return rows + sampler_rows + moe_rows
     if args.memory:
         import memory_bench
 

@@ -10,7 +10,14 @@ import torch
 
 PREEMPTION_MODES = ("recompute", "swap")
 LOAD_FORMATS = ("auto", "dummy")
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+_MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -44,6 +51,24 @@ class ModelConfig:
     qk_norm: bool
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...] = field(default=())
+    # Mixture of experts (0 experts: every layer is dense). Layer i is sparse iff
+    # num_experts > 0, i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # Qwen2-MoE: one always-on expert of this width, scaled by a sigmoid gate (0: none).
+    shared_expert_intermediate_size: int = 0
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` uses the MoE block instead of the dense MLP."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
@@ -95,12 +120,67 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            attention_bias=_attention_bias(arch, cfg),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             dtype=_DTYPES.get(dtype_name, torch.float32),
             eos_token_ids=eos_ids,
+            **(_moe_fields(cfg, path, arch) if arch in _MOE_ARCHITECTURES else {}),
         )
+
+
+def _attention_bias(arch: str, cfg: dict) -> bool:
+    if arch == "Qwen2ForCausalLM":
+        return True
+    if arch == "Qwen2MoeForCausalLM":
+        return bool(cfg.get("qkv_bias", True))  # HF's Qwen2-MoE: q/k/v biases unless told not
+    return bool(cfg.get("attention_bias", False))
+
+
+def _moe_fields(cfg: dict, path: Path, arch: str) -> dict:
+    """The mixture-of-experts fields of an MoE config.json, each checked (ValueError naming it)."""
+
+    def integer(name: str, value: object, low: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} in {path} must be an integer >= {low}, got {value!r}")
+        return value
+
+    # transformers 5 writes num_local_experts for Qwen3-MoE; published checkpoints num_experts.
+    key = "num_experts" if "num_experts" in cfg else "num_local_experts"
+    num_experts = integer(key, cfg.get(key), 0)
+    top_k = integer("num_experts_per_tok", cfg.get("num_experts_per_tok"), 1)
+    if num_experts and top_k > num_experts:
+        raise ValueError(
+            f"num_experts_per_tok ({top_k}) in {path} exceeds {key} ({num_experts})"
+        )
+    moe_size = integer("moe_intermediate_size", cfg.get("moe_intermediate_size"), 1)
+    step = integer("decoder_sparse_step", cfg.get("decoder_sparse_step", 1), 1)
+    norm = cfg.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise ValueError(f"norm_topk_prob in {path} must be true or false, got {norm!r}")
+    num_layers = cfg["num_hidden_layers"]
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(
+        not isinstance(i, bool) and isinstance(i, int) and 0 <= i < num_layers for i in only
+    ):
+        raise ValueError(
+            f"mlp_only_layers in {path} must be a list of layer indices in [0, {num_layers}), "
+            f"got {only!r}"
+        )
+    shared = 0
+    if arch == "Qwen2MoeForCausalLM":
+        shared = integer(
+            "shared_expert_intermediate_size", cfg.get("shared_expert_intermediate_size"), 0
+        )
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=moe_size,
+        norm_topk_prob=norm,
+        decoder_sparse_step=step,
+        mlp_only_layers=tuple(sorted(set(only))),
+        shared_expert_intermediate_size=shared,
+    )
 
 
 def _read_json_object(path: Path) -> dict:

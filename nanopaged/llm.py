@@ -242,7 +242,10 @@ class LLM:
         )
         if tensor_parallel_size > 1:
             c = self.model_config
-            check_tp_shapes(c.num_heads, c.num_kv_heads, c.intermediate_size, tensor_parallel_size)
+            moe = {"moe_intermediate_size": c.moe_intermediate_size,
+                   "shared_expert_intermediate_size": c.shared_expert_intermediate_size}
+            check_tp_shapes(c.num_heads, c.num_kv_heads, c.intermediate_size,
+                            tensor_parallel_size, moe if c.num_experts else None)  # fmt: skip
             check_device_count(tensor_parallel_size, self.device)
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", 0)  # rank r runs on cuda:r

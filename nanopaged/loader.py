@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -17,6 +18,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # load_format="dummy" draws every weight from U(-r, r), as vLLM does: small enough that
 # activations stay finite through any depth.
 DUMMY_WEIGHT_RANGE = 1e-3
+# A mixture-of-experts checkpoint's per-expert tensors: ...mlp.experts.{e}.{projection}.weight
+_EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -75,6 +78,7 @@ def _load(
 ) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
+    experts = getattr(model, "expert_modules", {})
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     loaded: set[str] = set()
     for name, tensor, path in tensors:
@@ -83,10 +87,17 @@ def _load(
         if tied and name == "lm_head.weight":
             continue  # the head is the embedding; some exports still save it
         target, shard_id = name, None
-        for fragment, (packed_name, sid) in packed.items():
-            if f".{fragment}." in name:
-                target, shard_id = name.replace(fragment, packed_name), sid
-                break
+        expert = _EXPERT_NAME.search(name) if experts else None
+        if expert is not None and expert.group(2) in experts:
+            # Stacked expert tensors: shard (expert index, part of the stacked parameter).
+            param_name, part = experts[expert.group(2)]
+            target = f"{name[: expert.start()]}.experts.{param_name}"
+            shard_id = (int(expert.group(1)), part)
+        else:
+            for fragment, (packed_name, sid) in packed.items():
+                if f".{fragment}." in name:
+                    target, shard_id = name.replace(fragment, packed_name), sid
+                    break
         param = params.get(target)
         if param is None:
             raise ValueError(f"unexpected weight {name!r} in {path}")
@@ -102,6 +113,10 @@ def _load(
     expected: set[str] = set()
     for name in params:
         if tied and name == "lm_head.weight":
+            continue
+        shard_ids = getattr(params[name], "shard_ids", None)
+        if shard_ids is not None:  # a parameter that lists the shards it must receive
+            expected.update(f"{name}#{sid}" for sid in shard_ids)
             continue
         module_name = name.rsplit(".", 1)[0]
         shard_ids = [

@@ -7,6 +7,9 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("llama", "qwen2", "qwen3")
+# Mixture-of-experts families: 8 narrow experts, 2 per token (make_tiny_model's defaults).
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe")
+_MOE_DEFAULTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
 def make_tiny_model(path: Path, family: str, seed: int = 0, **overrides) -> Path:
@@ -25,17 +28,28 @@ def make_tiny_model(path: Path, family: str, seed: int = 0, **overrides) -> Path
         initializer_range=0.2,
         tie_word_embeddings=False,
     )
+    if family in MOE_FAMILIES:
+        common.update(_MOE_DEFAULTS)
+    if family == "qwen2_moe":
+        common["shared_expert_intermediate_size"] = 48
     common.update(overrides)
     config_cls = {
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
     }[family]
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         common.setdefault("head_dim", 32)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config_cls(**common))
     model.to(torch.float32).eval()
+    if family == "qwen2_moe":
+        # HF starts biases at zero; random ones make the parity tests check they are applied.
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                torch.nn.init.normal_(param, std=common["initializer_range"])
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     return path

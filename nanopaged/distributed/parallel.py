@@ -79,8 +79,15 @@ class TensorParallel:
         return x
 
 
-def check_tp_shapes(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
-    """ValueError unless the attention heads and the MLP split evenly over `size` ranks."""
+def check_tp_shapes(
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    size: int,
+    other_sizes: dict[str, int] | None = None,
+) -> None:
+    """ValueError unless the attention heads and the MLP split evenly over `size` ranks;
+    other_sizes: further split dimensions by their config.json names (the experts' widths)."""
     if num_heads % size:
         raise ValueError(
             f"tensor_parallel_size={size} must divide the model's num_attention_heads "
@@ -96,11 +103,12 @@ def check_tp_shapes(num_heads: int, num_kv_heads: int, intermediate_size: int, s
             f"with more ranks than KV heads, tensor_parallel_size={size} must be a multiple of "
             f"num_key_value_heads ({num_kv_heads}) so each rank copies one whole KV head"
         )
-    if intermediate_size % size:
-        raise ValueError(
-            f"tensor_parallel_size={size} must divide the model's intermediate_size "
-            f"({intermediate_size})"
-        )
+    sizes = {"intermediate_size": intermediate_size, **(other_sizes or {})}
+    for name, value in sizes.items():
+        if value % size:
+            raise ValueError(
+                f"tensor_parallel_size={size} must divide the model's {name} ({value})"
+            )
 
 
 def local_kv_heads(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:

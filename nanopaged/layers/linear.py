@@ -127,13 +127,24 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 class RowParallelLinear(Linear):
     """Input features split over the ranks: weight [output_size, input_size / tp]; the partial
-    products are summed across ranks and the bias added once, after the sum."""
+    products are summed across ranks and the bias added once, after the sum.
+
+    reduce_results=False leaves the partial product to a caller that sums several of them
+    with one all-reduce (the MoE block's shared expert and routed experts).
+    """
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, tp: TensorParallel = SINGLE
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp: TensorParallel = SINGLE,
+        reduce_results: bool = True,
     ) -> None:
         super().__init__(tp.shard(input_size), output_size, bias)
+        assert reduce_results or not bias, "a bias is added once, after the sum"
         self.tp = tp
+        self.reduce_results = reduce_results
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         assert shard_id is None
@@ -145,7 +156,7 @@ class RowParallelLinear(Linear):
         default_weight_loader(param, _shard(loaded, full, 1, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
+        if self.tp.size == 1 or not self.reduce_results:
             return F.linear(x, self.weight, self.bias)
         out = self.tp.all_reduce(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias

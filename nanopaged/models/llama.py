@@ -1,4 +1,5 @@
-"""One decoder for Llama, Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm): they differ by flags."""
+"""One decoder for Llama, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm) and their mixture-of-experts
+variants (the MoE block in place of the MLP on sparse layers): they differ by flags."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from nanopaged.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from nanopaged.layers.moe import EXPERT_PARAMS, SparseMoeBlock
 from nanopaged.layers.norm import RMSNorm
 from nanopaged.layers.rotary import RotaryEmbedding
 
@@ -86,11 +88,22 @@ class DecoderMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+def sparse_moe_block(config: ModelConfig, tp: TensorParallel) -> SparseMoeBlock:
+    c = config
+    return SparseMoeBlock(
+        c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+        c.norm_topk_prob, c.shared_expert_intermediate_size, tp,
+    )  # fmt: skip
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
+    def __init__(
+        self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, tp: TensorParallel
+    ) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(config, rotary, tp)
-        self.mlp = DecoderMLP(config, tp)
+        sparse = config.is_sparse_layer(layer)
+        self.mlp = sparse_moe_block(config, tp) if sparse else DecoderMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -122,7 +135,7 @@ class DecoderModel(nn.Module):
         )
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            [DecoderLayer(config, rotary, tp) for _ in range(config.num_layers)]
+            [DecoderLayer(config, i, rotary, tp) for i in range(config.num_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -151,6 +164,8 @@ class DecoderForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # mlp.experts.{e}.<name>.weight -> (stacked parameter of mlp.experts, part), shard (e, part)
+    expert_modules = EXPERT_PARAMS
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -183,16 +198,14 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             f"{attn}.k_proj.weight": (kv, c.hidden_size),
             f"{attn}.v_proj.weight": (kv, c.hidden_size),
             f"{attn}.o_proj.weight": (c.hidden_size, q),
-            f"{mlp}.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-            f"{mlp}.up_proj.weight": (c.intermediate_size, c.hidden_size),
-            f"{mlp}.down_proj.weight": (c.hidden_size, c.intermediate_size),
+            **(_moe_shapes(c, mlp) if c.is_sparse_layer(i) else _mlp_shapes(c, mlp)),
             f"model.layers.{i}.input_layernorm.weight": (c.hidden_size,),
             f"model.layers.{i}.post_attention_layernorm.weight": (c.hidden_size,),
         }
         if c.attention_bias:
             layer.update({f"{attn}.q_proj.bias": (q,), f"{attn}.k_proj.bias": (kv,),
                           f"{attn}.v_proj.bias": (kv,)})  # fmt: skip
-        if c.mlp_bias:
+        if c.mlp_bias and not c.is_sparse_layer(i):
             layer.update({f"{mlp}.gate_proj.bias": (c.intermediate_size,),
                           f"{mlp}.up_proj.bias": (c.intermediate_size,),
                           f"{mlp}.down_proj.bias": (c.hidden_size,)})  # fmt: skip
@@ -203,4 +216,28 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (c.hidden_size,)
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    return shapes
+
+
+def _mlp_shapes(c: ModelConfig, mlp: str) -> dict[str, tuple[int, ...]]:
+    return {
+        f"{mlp}.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+        f"{mlp}.up_proj.weight": (c.intermediate_size, c.hidden_size),
+        f"{mlp}.down_proj.weight": (c.hidden_size, c.intermediate_size),
+    }
+
+
+def _moe_shapes(c: ModelConfig, mlp: str) -> dict[str, tuple[int, ...]]:
+    h, i = c.hidden_size, c.moe_intermediate_size
+    shapes = {f"{mlp}.gate.weight": (c.num_experts, h)}
+    for e in range(c.num_experts):
+        shapes.update({f"{mlp}.experts.{e}.gate_proj.weight": (i, h),
+                       f"{mlp}.experts.{e}.up_proj.weight": (i, h),
+                       f"{mlp}.experts.{e}.down_proj.weight": (h, i)})  # fmt: skip
+    if c.shared_expert_intermediate_size:
+        s = c.shared_expert_intermediate_size
+        shapes.update({f"{mlp}.shared_expert.gate_proj.weight": (s, h),
+                       f"{mlp}.shared_expert.up_proj.weight": (s, h),
+                       f"{mlp}.shared_expert.down_proj.weight": (h, s),
+                       f"{mlp}.shared_expert_gate.weight": (1, h)})  # fmt: skip
     return shapes
