@@ -4,22 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 import weakref
 from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 
 import torch
 import xxhash
-from tqdm.auto import tqdm
 
 from nanopaged.config import EngineConfig, ModelConfig, parse_dtype
 from nanopaged.distributed.parallel import check_tp_shapes
 from nanopaged.distributed.workers import TPWorkers, check_device_count
 from nanopaged.engine.block_manager import BlockManager, KVStats
 from nanopaged.engine.group import SequenceGroup
+from nanopaged.engine.llm_engine import LLMEngine
 from nanopaged.engine.model_runner import ModelRunner, kv_bytes_per_block
-from nanopaged.engine.output_processor import find_stop_strings
 from nanopaged.engine.prompt_logprobs import compute_prompt_logprobs
 from nanopaged.engine.scheduler import Scheduler
 from nanopaged.engine.sequence import Sequence, SequenceStatus
@@ -85,30 +83,6 @@ def _resolve_device(device: str | torch.device) -> torch.device:
             f"{torch.cuda.device_count()} CUDA device(s)"
         )
     return dev
-
-
-class _StepRates:
-    """Prefill and decode throughput, each over the time of the steps that did that kind of
-    work (a step's time: from the previous step's samples to its own)."""
-
-    def __init__(self) -> None:
-        self.last = time.perf_counter()
-        self.tokens = {"prefill": 0, "decode": 0}
-        self.seconds = {"prefill": 0.0, "decode": 0.0}
-
-    def add(self, num_prefill: int, num_decode: int) -> None:
-        now = time.perf_counter()
-        dt, self.last = now - self.last, now
-        for kind, n in (("prefill", num_prefill), ("decode", num_decode)):
-            if n:
-                self.tokens[kind] += n
-                self.seconds[kind] += dt
-
-    def describe(self) -> str:
-        return ", ".join(
-            f"{kind} {self.tokens[kind] / max(self.seconds[kind], 1e-9):.0f} tok/s"
-            for kind in ("prefill", "decode")
-        )
 
 
 def _text_parts_joined(conv: object) -> object:
@@ -276,6 +250,15 @@ class LLM:
             self.max_model_len,
             eos,
             self.config.preemption_mode,
+        )
+        self.engine = LLMEngine(
+            self.scheduler,
+            self.block_manager,
+            self.runner,
+            eos,
+            self.tokenizer,
+            self.async_scheduling,
+            self._workers,
         )
         self._request_counter = 0
         self._num_drawn_seeds = 0
@@ -541,7 +524,7 @@ class LLM:
             if p.bad_words:
                 seq.bad_words_token_ids = bad_words_token_ids(p.bad_words, self.tokenizer)
             groups.append(SequenceGroup(seq.request_id, seq))
-        self._run(groups, use_tqdm)
+        self.engine.run(groups, use_tqdm)
         outputs = [
             self._request_output(group, prompt)
             for group, prompt in zip(groups, prompt_list)
@@ -627,7 +610,7 @@ class LLM:
             seq = Sequence(ids, sp, request_id=str(self._request_counter))
             self._request_counter += 1
             groups.append(SequenceGroup(seq.request_id, seq, beam_params=params))
-        self._run(groups, use_tqdm)
+        self.engine.run(groups, use_tqdm)
         decoder = self._token_decoder()
         return [
             BeamSearchOutput(
@@ -657,87 +640,6 @@ class LLM:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
-
-    def _run(self, groups: list[SequenceGroup], use_tqdm: bool) -> None:
-        bar = tqdm(total=len(groups), desc="Processed prompts", disable=not use_tqdm, leave=True)
-        rates = _StepRates()
-        try:
-            self.block_manager.reset_peaks()
-            for group in groups:
-                self.scheduler.add(group)
-            in_flight = None  # a launched step planned before its predecessor's samples
-            while in_flight is not None or self.scheduler.has_unfinished():
-                if in_flight is None:
-                    batch = self.scheduler.schedule()
-                    if not batch.seqs:
-                        raise RuntimeError("the scheduler could not make progress")  # invariant
-                    handle = self.runner.launch(batch, self.eos_token_ids)
-                else:
-                    (batch, handle), in_flight = in_flight, None
-                # A decode row computes the last sampled token; prompts are prefill, however short.
-                num_decode = sum(
-                    1
-                    for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)
-                    if n == 1 and seq.num_output_tokens > 0
-                    and seq.num_computed_tokens == len(seq) - 1
-                )
-                num_prefill = batch.total_tokens - num_decode
-                if self.async_scheduling and handle.plain and self.scheduler.can_look_ahead(batch):
-                    # Plan and launch the next step while this one runs on the device.
-                    self.scheduler.advance(batch)
-                    following = self.scheduler.schedule()
-                    if following.seqs:
-                        in_flight = (
-                            following,
-                            self.runner.launch(following, self.eos_token_ids, prev=handle),
-                        )
-                    step = self.scheduler.commit(batch, handle.result(), handle.logprobs())
-                else:
-                    step = self.scheduler.postprocess(
-                        batch, handle.result(), handle.logprobs()
-                    )
-                stopped = self._check_stop_strings(step.grown)
-                # Two samples of one request can both stop here: count each request once.
-                done = len(
-                    {id(g) for g in step.finished_groups}
-                    | {id(s.group) for s in stopped if s.group.is_finished}
-                )
-                if done:
-                    bar.update(done)
-                rates.add(num_prefill, num_decode)
-                if use_tqdm:
-                    bar.set_postfix_str(rates.describe(), refresh=False)
-        except BaseException:
-            # Interrupted or failed mid-step: give every block back so the LLM stays usable.
-            self.scheduler.abort_all()
-            # No request outlives this call, so no block may stay held, even one that a step
-            # cut short left outside the scheduler's lists.
-            self.block_manager.free_all()
-            if self._workers is not None:
-                # A step cut short leaves the workers out of step; a worker's error wins.
-                self._workers.after_error()
-            raise
-        finally:
-            bar.close()
-
-    def _check_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Finish sequences whose text now holds a stop string; returns those it finished."""
-        watched = [
-            s for s in seqs
-            if s.sampling_params.stop and s.num_output_tokens >= s.sampling_params.min_tokens
-        ]  # fmt: skip
-        if not watched:
-            return []
-        finished = []
-        for seq, idx, stop, full in find_stop_strings(watched, self.tokenizer):
-            p = seq.sampling_params
-            seq.text = full[: idx + len(stop)] if p.include_stop_str_in_output else full[:idx]
-            if seq.is_finished:  # ended by length or EOS this very step: the string wins
-                seq.finish_reason, seq.stop_reason = "stop", stop
-            else:
-                self.scheduler.finish(seq, "stop", stop)
-                finished.append(seq)
-        return finished
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         p = seq.sampling_params

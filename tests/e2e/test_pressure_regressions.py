@@ -188,20 +188,20 @@ def test_slot_utilization_of_an_empty_pool_is_zero(llama):
 def test_progress_rates_count_each_kind_over_its_own_steps(llama, monkeypatch):
     """The bar's prefill rate used to divide by the whole run, and a 1-token prompt counted as
     decode."""
-    import nanopaged.llm as llm_module
+    import nanopaged.engine.llm_engine as engine_module
 
     seen = []
-    real = llm_module._StepRates.add
+    real = engine_module.StepRates.add
 
     def spy(self, num_prefill, num_decode):
         seen.append((num_prefill, num_decode))
         real(self, num_prefill, num_decode)
 
-    monkeypatch.setattr(llm_module._StepRates, "add", spy)
+    monkeypatch.setattr(engine_module.StepRates, "add", spy)
     llm = LLM(str(llama), kv_cache_memory=1 << 22)
     llm.generate([[5]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), False)
     assert seen == [(1, 0), (0, 1), (0, 1)]
-    rates = llm_module._StepRates()
+    rates = engine_module.StepRates()
     rates.seconds = {"prefill": 0.5, "decode": 2.0}
     rates.tokens = {"prefill": 1000, "decode": 100}
     assert rates.describe() == "prefill 2000 tok/s, decode 50 tok/s"

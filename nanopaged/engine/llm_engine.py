@@ -1,0 +1,148 @@
+"""The step loop: schedule, launch, plan the next step while the device runs, commit."""
+
+from __future__ import annotations
+
+import time
+
+from tqdm.auto import tqdm
+
+from nanopaged.distributed.workers import TPWorkers
+from nanopaged.engine.block_manager import BlockManager
+from nanopaged.engine.group import SequenceGroup
+from nanopaged.engine.model_runner import ModelRunner, StepHandle
+from nanopaged.engine.output_processor import find_stop_strings
+from nanopaged.engine.scheduler import ScheduledBatch, Scheduler
+from nanopaged.engine.sequence import Sequence
+
+
+class StepRates:
+    """Prefill and decode throughput, each over the time of the steps that did that kind of
+    work (a step's time: from the previous step's samples to its own)."""
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+        self.tokens = {"prefill": 0, "decode": 0}
+        self.seconds = {"prefill": 0.0, "decode": 0.0}
+
+    def add(self, num_prefill: int, num_decode: int) -> None:
+        now = time.perf_counter()
+        dt, self.last = now - self.last, now
+        for kind, n in (("prefill", num_prefill), ("decode", num_decode)):
+            if n:
+                self.tokens[kind] += n
+                self.seconds[kind] += dt
+
+    def describe(self) -> str:
+        return ", ".join(
+            f"{kind} {self.tokens[kind] / max(self.seconds[kind], 1e-9):.0f} tok/s"
+            for kind in ("prefill", "decode")
+        )
+
+
+class LLMEngine:
+    """Runs groups of sequences to completion over one scheduler and one model runner."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        block_manager: BlockManager,
+        runner: ModelRunner,
+        eos_token_ids: set[int],
+        tokenizer,
+        async_scheduling: bool,
+        workers: TPWorkers | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.block_manager = block_manager
+        self.runner = runner
+        self.eos_token_ids = eos_token_ids
+        self.tokenizer = tokenizer
+        self.async_scheduling = async_scheduling
+        self.workers = workers
+
+    def may_run_ahead(self, batch: ScheduledBatch, handle: StepHandle) -> bool:
+        """The one decision: may the next step be planned and launched before this one's
+        samples reach the host? Only when its samples stay on the device (a plain step) and no
+        structural event (fork, copy-on-write, preemption, swap, beam step) needs them first."""
+        return self.async_scheduling and handle.plain and self.scheduler.can_look_ahead(batch)
+
+    def run(self, groups: list[SequenceGroup], use_tqdm: bool) -> None:
+        """Run every group to completion; on any error or interruption nothing stays held."""
+        bar = tqdm(total=len(groups), desc="Processed prompts", disable=not use_tqdm, leave=True)
+        rates = StepRates()
+        try:
+            self.block_manager.reset_peaks()
+            for group in groups:
+                self.scheduler.add(group)
+            in_flight = None  # a launched step planned before its predecessor's samples
+            while in_flight is not None or self.scheduler.has_unfinished():
+                if in_flight is None:
+                    batch = self.scheduler.schedule()
+                    if not batch.seqs:
+                        raise RuntimeError("the scheduler could not make progress")  # invariant
+                    handle = self.runner.launch(batch, self.eos_token_ids)
+                else:
+                    (batch, handle), in_flight = in_flight, None
+                # A decode row computes the last sampled token; prompts are prefill, however short.
+                num_decode = sum(
+                    1
+                    for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)
+                    if n == 1
+                    and seq.num_output_tokens > 0
+                    and seq.num_computed_tokens == len(seq) - 1
+                )
+                num_prefill = batch.total_tokens - num_decode
+                if self.may_run_ahead(batch, handle):
+                    # Plan and launch the next step while this one runs on the device.
+                    self.scheduler.advance(batch)
+                    following = self.scheduler.schedule()
+                    if following.seqs:
+                        in_flight = (
+                            following,
+                            self.runner.launch(following, self.eos_token_ids, prev=handle),
+                        )
+                    step = self.scheduler.commit(batch, handle.result(), handle.logprobs())
+                else:
+                    step = self.scheduler.postprocess(batch, handle.result(), handle.logprobs())
+                stopped = self._check_stop_strings(step.grown)
+                # Two samples of one request can both stop here: count each request once.
+                done = len(
+                    {id(g) for g in step.finished_groups}
+                    | {id(s.group) for s in stopped if s.group.is_finished}
+                )
+                if done:
+                    bar.update(done)
+                rates.add(num_prefill, num_decode)
+                if use_tqdm:
+                    bar.set_postfix_str(rates.describe(), refresh=False)
+        except BaseException:
+            # Interrupted or failed mid-step: give every block back so the LLM stays usable.
+            self.scheduler.abort_all()
+            # No request outlives this call, so no block may stay held, even one that a step
+            # cut short left outside the scheduler's lists.
+            self.block_manager.free_all()
+            if self.workers is not None:
+                # A step cut short leaves the workers out of step; a worker's error wins.
+                self.workers.after_error()
+            raise
+        finally:
+            bar.close()
+
+    def _check_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Finish sequences whose text now holds a stop string; returns those it finished."""
+        watched = [
+            s for s in seqs
+            if s.sampling_params.stop and s.num_output_tokens >= s.sampling_params.min_tokens
+        ]  # fmt: skip
+        if not watched:
+            return []
+        finished = []
+        for seq, idx, stop, full in find_stop_strings(watched, self.tokenizer):
+            p = seq.sampling_params
+            seq.text = full[: idx + len(stop)] if p.include_stop_str_in_output else full[:idx]
+            if seq.is_finished:  # ended by length or EOS this very step: the string wins
+                seq.finish_reason, seq.stop_reason = "stop", stop
+            else:
+                self.scheduler.finish(seq, "stop", stop)
+                finished.append(seq)
+        return finished
