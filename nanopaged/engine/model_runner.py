@@ -432,7 +432,7 @@ class ModelRunner:
     ) -> StepHandle:
         """Queue the batch's forward pass and sampling on the device without waiting for them.
 
-        Sequences whose last token is a placeholder take it from `prev`'s sampled tokens on the
+        Sequences whose newest token is still pending take it from `prev`'s sampled tokens on the
         device (asynchronous scheduling).
         """
         seqs = batch.seqs
@@ -470,12 +470,14 @@ class ModelRunner:
         input_ids: list[int] = []
         for seq, start, n in zip(seqs, starts, batch.num_scheduled_tokens):
             input_ids.extend(seq.token_ids[start : start + n])
+            if start + n > len(seq.token_ids):  # the last is a sample still on the device
+                input_ids.append(0)
         host = self._host_arrays(batch.num_scheduled_tokens, starts, self._tables.build(seqs))
         sampling_rows = [i for i in range(len(seqs)) if batch.samples(i)]
         last = np.cumsum(batch.num_scheduled_tokens) - 1
         ids_np = np.asarray(input_ids, dtype=np.int64)
         pending_dst, pending_src = self._pending_inputs(seqs, host["cu_seqlens_q"])
-        ids_np[pending_dst] = 0  # placeholders: the real ids are copied in on the device
+        ids_np[pending_dst] = 0  # pending samples: the real ids are copied in on the device
         return StepInputs(
             input_ids=ids_np,
             positions=host["positions"],
@@ -537,7 +539,7 @@ class ModelRunner:
     def _pending_inputs(
         seqs: list[Sequence], cu_seqlens_q: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(input positions, rows of the previous step's samples) of the placeholder tokens."""
+        """(input positions, rows of the previous step's samples) of the pending samples."""
         rows = [(int(cu_seqlens_q[i + 1]) - 1, s.pending_row) for i, s in enumerate(seqs)
                 if s.pending_row is not None]  # fmt: skip
         pairs = np.asarray(rows, dtype=np.int64).reshape(-1, 2)
@@ -546,7 +548,7 @@ class ModelRunner:
     def _pending_tensors(
         self, step: StepInputs, prev: StepHandle | None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(input positions, token ids) on the device for the step's placeholders, if any."""
+        """(input positions, token ids) on the device for the step's pending samples, if any."""
         if not len(step.pending_dst):
             return None
         dst = torch.from_numpy(step.pending_dst).to(self.device, non_blocking=True)

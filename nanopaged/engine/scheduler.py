@@ -13,7 +13,6 @@ from nanopaged.engine.sample_output import RowLogprobs, SampleOutput
 from nanopaged.engine.sequence import Sequence, SequenceStatus
 
 # Stands for a sampled token that is still on the device (asynchronous scheduling).
-PLACEHOLDER_TOKEN = -1
 
 
 @dataclass
@@ -349,7 +348,7 @@ class Scheduler:
 
     def advance(self, batch: ScheduledBatch) -> None:
         """Account for a launched step whose samples are still on the device: each sampling
-        sequence gets a placeholder token, resolved by `commit`."""
+        sequence notes its row of them (pending_row), resolved by `commit`."""
         bm = self.block_manager
         self.num_advanced_steps += 1
         row = 0
@@ -361,7 +360,6 @@ class Scheduler:
             seq.num_computed_tokens += batch.num_scheduled_tokens[i]
             bm.cache_full_blocks(seq)
             if samples:
-                seq.token_ids.append(PLACEHOLDER_TOKEN)
                 seq.pending_row = row
                 row += 1
 
@@ -371,15 +369,15 @@ class Scheduler:
         sampled: list[int],
         logprobs: list[RowLogprobs | None] | None = None,
     ) -> StepOutput:
-        """Put an advanced step's sampled tokens (and their logprobs) in place of the
-        placeholders; finish sequences that stop. A sequence that already finished drops its
-        token."""
+        """Append an advanced step's sampled tokens (and their logprobs) to the sequences
+        waiting for them; finish sequences that stop. A sequence that finished while the step
+        was in flight was never given a row: its token is dropped."""
         step = StepOutput()
         for seq in batch.seqs:
             if seq.pending_row is None:
                 continue
             row, seq.pending_row = seq.pending_row, None
-            seq.token_ids[-1] = sampled[row]
+            seq.token_ids.append(sampled[row])
             if logprobs is not None:
                 _append_logprobs(seq, logprobs[row])
             step.grown.append(seq)

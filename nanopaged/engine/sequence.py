@@ -60,8 +60,9 @@ class Sequence:
         self.logprob_ranks: list[dict[int, int]] = []
         # A request's bad_words as token ids (see logits_processors.bad_words_token_ids).
         self.bad_words_token_ids: list[list[int]] = []
-        # Set while the last token is a placeholder for a sample still on the device: its row
-        # in that step's sampled tokens (asynchronous scheduling).
+        # Set while this sequence's newest token is a sample still on the device (asynchronous
+        # scheduling): its row in that step's sampled tokens. The token counts in len() and in
+        # num_output_tokens, but joins token_ids only once it is known (Scheduler.commit).
         self.pending_row: int | None = None
         # The output's text so far, kept up to date while stop strings are watched for.
         self.detokenizer: IncrementalDetokenizer | None = None
@@ -80,11 +81,11 @@ class Sequence:
         return child
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + (self.pending_row is not None)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self) - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
