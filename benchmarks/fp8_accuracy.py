@@ -15,6 +15,7 @@ the engine's paged KV cache, prompt_logprobs' path), with each KV cache dtype in
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import random
@@ -66,6 +67,13 @@ def kv_maxima(llm: LLM, sequences: list[list[int]]) -> torch.Tensor:
     return amax
 
 
+def free_memory() -> None:
+    """Collect a deleted LLM now, so the next one sizes its cache with its memory free."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def perplexity(logprobs: list[float]) -> float:
     return math.exp(-sum(logprobs) / len(logprobs))
 
@@ -77,6 +85,7 @@ def compare(make_llm, sequences: list[list[int]], scales: str) -> dict:
     base_top1, base_lp = teacher_forced(base, sequences)
     amax = kv_maxima(base, sequences) if scales == "calibrated" else None
     del base
+    free_memory()
     ppl = perplexity(base_lp)
     result = {"positions": len(base_top1), "scales": scales, "perplexity_auto": ppl,
               "seconds_auto": time.perf_counter() - t, "formats": {}}  # fmt: skip
@@ -88,6 +97,7 @@ def compare(make_llm, sequences: list[list[int]], scales: str) -> dict:
             llm.runner.kv_scales.copy_(amax * 2 / torch.finfo(dtype).max)
         top1, lp = teacher_forced(llm, sequences)
         del llm
+        free_memory()
         agree = sum(a == b for a, b in zip(top1, base_top1)) / len(top1)
         row = {"top1_agreement": agree, "perplexity": perplexity(lp),
                "perplexity_change": perplexity(lp) / ppl - 1}  # fmt: skip

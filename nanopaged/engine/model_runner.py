@@ -188,7 +188,8 @@ class ModelRunner:
         # parallelism each rank holds its own (the same values).
         self.kv_scales: torch.Tensor | None = None
         if is_fp8(self.kv_cache_dtype):
-            self.kv_scales = torch.ones(2, len(self.attention_layers), device=device)
+            layers = len(self.attention_layers)
+            self.kv_scales = torch.ones(2, layers, dtype=torch.float32, device=device)
             for i, layer in enumerate(self.attention_layers):
                 layer.k_scale = self.kv_scales[0, i : i + 1]
                 layer.v_scale = self.kv_scales[1, i : i + 1]
