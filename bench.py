@@ -291,8 +291,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model-shape", choices=list(SHAPES), default=None,
                         help="with --load-format dummy: a published model's shape")  # fmt: skip
     parser.add_argument("--cpu", action="store_true", help="CPU: embedded SmolLM2 against HF")
-    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
-                        default="auto", help="an fp8 choice runs 'auto' first, then it")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        default="auto",
+        help="an fp8 choice runs 'auto' first, then it",
+    )
     args, rest = parser.parse_known_args(argv)
 
     root = Path(__file__).resolve().parent
@@ -354,8 +358,10 @@ def main(argv: list[str] | None = None) -> dict:
     result = runs[args.kv_cache_dtype]
     if len(runs) > 1:
         auto = runs["auto"]
-        print(f"KV {args.kv_cache_dtype} / auto: {result['tok_per_s'] / auto['tok_per_s']:.2f}x "
-              f"throughput, {result['kv_blocks'] / auto['kv_blocks']:.2f}x KV blocks")
+        print(
+            f"KV {args.kv_cache_dtype} / auto: {result['tok_per_s'] / auto['tok_per_s']:.2f}x "
+            f"throughput, {result['kv_blocks'] / auto['kv_blocks']:.2f}x KV blocks"
+        )
     if args.compare == "hf" and cuda:
         result.update(run_hf(model_dir, prompts, max_tokens, args.hf_requests))
         result["ratio_to_hf"] = result["tok_per_s"] / result["hf_tok_per_s"]

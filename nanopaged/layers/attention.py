@@ -63,7 +63,10 @@ class Attention(nn.Module):
         if meta.is_decode:
             if use_triton:
                 return paged_decode.paged_decode(
-                    *args, meta.context_lens, self.scale, max_context_len=meta.max_context_len,
+                    *args,
+                    meta.context_lens,
+                    self.scale,
+                    max_context_len=meta.max_context_len,
                     **scales,
                 )
             if meta.decode_plan is None:

@@ -85,8 +85,7 @@ def _outputs(llm, prompts):
     sample = SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=16, ignore_eos=True)
     greedy = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     sampled = [
-        [c.token_ids for c in o.outputs]
-        for o in llm.generate(prompts[:5], sample, use_tqdm=False)
+        [c.token_ids for c in o.outputs] for o in llm.generate(prompts[:5], sample, use_tqdm=False)
     ]
     beams = [
         [s.tokens for s in o.sequences]

@@ -99,8 +99,10 @@ def check_decode(fp8, block_size, group, head_dim, dtype, num_kv_heads):
 
 
 @pytest.mark.parametrize("fp8", [E4M3, E5M2])
-@pytest.mark.parametrize("block_size,group,head_dim,dtype,num_kv_heads",
-                         [(16, 2, 64, f32, 2), (8, 4, 128, f16, 1), (32, 1, 64, f16, 2)])
+@pytest.mark.parametrize(
+    "block_size,group,head_dim,dtype,num_kv_heads",
+    [(16, 2, 64, f32, 2), (8, 4, 128, f16, 1), (32, 1, 64, f16, 2)],
+)
 def test_decode_fp8(fp8, block_size, group, head_dim, dtype, num_kv_heads):
     check_decode(fp8, block_size, group, head_dim, dtype, num_kv_heads)
 
@@ -130,14 +132,22 @@ def check_prefill(fp8, block_size, group, head_dim, dtype, num_kv_heads):
     ref = paged_prefill_ref(*inputs, 0.1, k_scale=k_scale, v_scale=v_scale)
     assert out.dtype == dtype
     assert_close(out, ref, dtype)
-    plain = paged_prefill_ref(q.float(), dequantize(inputs[1], k_scale),
-                              dequantize(inputs[2], v_scale), tables, cu, context_lens, 0.1)
+    plain = paged_prefill_ref(
+        q.float(),
+        dequantize(inputs[1], k_scale),
+        dequantize(inputs[2], v_scale),
+        tables,
+        cu,
+        context_lens,
+        0.1,
+    )
     assert_close(ref.float(), plain, f32 if dtype == f32 else dtype)
 
 
 @pytest.mark.parametrize("fp8", [E4M3, E5M2])
-@pytest.mark.parametrize("block_size,group,head_dim,dtype,num_kv_heads",
-                         [(16, 2, 64, f32, 1), (8, 1, 64, f16, 2)])
+@pytest.mark.parametrize(
+    "block_size,group,head_dim,dtype,num_kv_heads", [(16, 2, 64, f32, 1), (8, 1, 64, f16, 2)]
+)
 def test_prefill_fp8(fp8, block_size, group, head_dim, dtype, num_kv_heads):
     check_prefill(fp8, block_size, group, head_dim, dtype, num_kv_heads)
 
