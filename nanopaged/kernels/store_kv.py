@@ -80,8 +80,12 @@ if triton is not None:
         k = tl.load(key_ptr + token64 * stride_kt + h * stride_kh + d * stride_kd, mask=mask)
         v = tl.load(value_ptr + token64 * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
         if FP8_MAX > 0:
-            k = tl.clamp(tl.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -FP8_MAX, FP8_MAX)
-            v = tl.clamp(tl.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -FP8_MAX, FP8_MAX)
+            # div_rn does not broadcast: give it the scale as a full tile.
+            tile = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+            k = tl.div_rn(k.to(tl.float32), tile + tl.load(k_scale_ptr))
+            v = tl.div_rn(v.to(tl.float32), tile + tl.load(v_scale_ptr))
+            k = tl.clamp(k, -FP8_MAX, FP8_MAX)
+            v = tl.clamp(v, -FP8_MAX, FP8_MAX)
         dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM + d
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)

@@ -55,6 +55,25 @@ def store_case(fp8: torch.dtype, num_tokens: int, num_kv_heads: int, head_dim: i
 
 
 @pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_store_kv_fp8_on_the_grid(fp8):
+    # Values x = scale * (an 8-bit value) need no rounding, so the interpreter stores them
+    # right: this checks the kernel's scale, clamp and slots; rounding is checked on the GPU.
+    kv = make_kv_cache(4, 16, 2, 64, f32).to(fp8)
+    k_scale, v_scale = scales(0.25, 3.0)
+    grid = (torch.randn(30, 2, 64, device=DEVICE) * 20).to(fp8).float()
+    key, value = grid * k_scale, grid * v_scale
+    key[0, 0, :2] = torch.tensor([1e9, -1e9])  # clamped to the format's largest finite value
+    slots = torch.randperm(64, device=DEVICE)[:30]
+    slots[3] = -1
+    out, ref = kv.clone(), kv.clone()
+    store_kv(key, value, out[0, 1], out[1, 1], slots, k_scale, v_scale)
+    store_kv_ref(key, value, ref[0, 1], ref[1, 1], slots, k_scale, v_scale)
+    assert torch.equal(as_bytes(out), as_bytes(ref))
+    fmax = torch.finfo(fp8).max
+    assert out[0, 1].view(-1, 2, 64)[slots[0], 0, :2].float().tolist() == [fmax, -fmax]
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
 def test_store_kv_ref_fp8(fp8):
     # The kernel's quantization runs on the GPU only: the interpreter's fp32 -> fp8 cast
     # rounds wrongly when the mantissa carries into the exponent (31.7 -> 16, not 32).
