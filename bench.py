@@ -1,6 +1,8 @@
 """Throughput on nano-vllm's workload (256 random requests), against the HBM roofline.
 
 python bench.py [--model PATH] [--compare hf] [--json PATH]      throughput
+python bench.py --kv-cache-dtype fp8 [--json PATH]                the same with bf16 KV, then
+                                                                  fp8 KV, in one process
 python bench.py --kernels [--json PATH]                           kernel microbenchmarks
 python bench.py --sampling [--json PATH]                          ShareGPT-like, 5 settings
 python bench.py --memory                                          KV memory / sharing figures
@@ -15,6 +17,7 @@ machine without CUDA the workload shrinks (stated in the output) so it finishes 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -157,7 +160,7 @@ def decode_roofline_bytes(llm, prompts, max_tokens) -> float:
     from nanopaged.layers.moe import MoEExperts
 
     c = llm.model_config
-    elem = torch.empty((), dtype=llm.dtype).element_size()
+    elem = torch.empty((), dtype=llm.kv_cache_dtype).element_size()  # 1 for an fp8 cache
     # Per GPU: under tensor parallelism each reads its own KV heads and weight shard at once.
     kv_per_token = 2 * c.num_layers * llm.runner.num_kv_heads * c.head_dim * elem
     kv_tokens = sum(m * len(p) + m * (m - 1) // 2 for p, m in zip(prompts, max_tokens))
@@ -318,6 +321,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model-shape", choices=list(SHAPES), default=None,
                         help="with --load-format dummy: a published model's shape")  # fmt: skip
     parser.add_argument("--cpu", action="store_true", help="CPU: embedded SmolLM2 against HF")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        default="auto",
+        help="an fp8 choice runs 'auto' first, then it",
+    )
     args, rest = parser.parse_known_args(argv)
 
     root = Path(__file__).resolve().parent
@@ -353,8 +362,6 @@ def main(argv: list[str] | None = None) -> dict:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
-    from nanopaged import LLM, SamplingParams
-
     if args.sampling:
         return run_sampling(args)
     cuda = torch.cuda.is_available()
@@ -378,6 +385,40 @@ def main(argv: list[str] | None = None) -> dict:
         )
     prompts, max_tokens = workload(num_seqs, max_in, max_out)
 
+    runs = {}
+    for kv in dict.fromkeys(["auto", args.kv_cache_dtype]):
+        runs[kv] = run_throughput(args, model_dir, prompts, max_tokens, kv)
+        gc.collect()  # the LLM's KV cache and graphs go before the next one profiles
+        if cuda:
+            torch.cuda.empty_cache()
+    result = runs[args.kv_cache_dtype]
+    if len(runs) > 1:
+        auto = runs["auto"]
+        print(
+            f"KV {args.kv_cache_dtype} / auto: {result['tok_per_s'] / auto['tok_per_s']:.2f}x "
+            f"throughput, {result['kv_blocks'] / auto['kv_blocks']:.2f}x KV blocks"
+        )
+    if args.compare == "hf" and cuda:
+        result.update(run_hf(model_dir, prompts, max_tokens, args.hf_requests))
+        result["ratio_to_hf"] = result["tok_per_s"] / result["hf_tok_per_s"]
+        print(
+            f"HF transformers continuous batching (paged|sdpa), first {args.hf_requests} "
+            f"requests: {result['hf_output_tokens']} tokens in {result['hf_seconds']:.1f} s = "
+            f"{result['hf_tok_per_s']:.0f} tok/s; nanopaged / HF = {result['ratio_to_hf']:.1f}x"
+        )
+    if len(runs) > 1:
+        result = {"kv_cache_dtype": runs}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def run_throughput(args, model_dir: Path, prompts, max_tokens, kv_cache_dtype: str) -> dict:
+    """The throughput workload on a new LLM with this KV cache dtype; its figures, printed."""
+    from nanopaged import LLM, SamplingParams
+
+    cuda = torch.cuda.is_available()
+    num_seqs = len(prompts)
     t = time.perf_counter()
     llm = LLM(
         str(model_dir),
@@ -386,6 +427,7 @@ def main(argv: list[str] | None = None) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size,
         load_format=args.load_format,
+        kv_cache_dtype=kv_cache_dtype,
     )
     load_s = time.perf_counter() - t
     warm_up(llm, prompts)
@@ -420,6 +462,7 @@ def main(argv: list[str] | None = None) -> dict:
         / max(1, llm.scheduler.num_steps - steps0),
         "tensor_parallel_size": args.tensor_parallel_size,
         "load_format": args.load_format,
+        "kv_cache_dtype": kv_cache_dtype,
     }
     if cuda:
         bw = copy_bandwidth_tbps()
@@ -433,9 +476,9 @@ def main(argv: list[str] | None = None) -> dict:
             fraction_of_roofline=roof_s / seconds,
         )
     print(
-        f"{result['device']}: {output_tokens} output tokens in {seconds:.2f} s = "
-        f"{result['tok_per_s']:.0f} tok/s ({num_seqs} requests, {result['prompt_tokens']} "
-        f"prompt tokens, {result['preemptions']} preemptions, "
+        f"[KV {kv_cache_dtype}] {result['device']}: {output_tokens} output tokens in "
+        f"{seconds:.2f} s = {result['tok_per_s']:.0f} tok/s ({num_seqs} requests, "
+        f"{result['prompt_tokens']} prompt tokens, {result['preemptions']} preemptions, "
         f"{100 * result['async_step_fraction']:.0f}% of steps asynchronous)"
     )
     if cuda:
@@ -446,18 +489,6 @@ def main(argv: list[str] | None = None) -> dict:
             f"{100 * result['fraction_of_roofline']:.1f}% of it"
         )
     llm.shutdown()  # tensor-parallel workers
-    if args.compare == "hf" and cuda:
-        del llm
-        torch.cuda.empty_cache()
-        result.update(run_hf(model_dir, prompts, max_tokens, args.hf_requests))
-        result["ratio_to_hf"] = result["tok_per_s"] / result["hf_tok_per_s"]
-        print(
-            f"HF transformers continuous batching (paged|sdpa), first {args.hf_requests} "
-            f"requests: {result['hf_output_tokens']} tokens in {result['hf_seconds']:.1f} s = "
-            f"{result['hf_tok_per_s']:.0f} tok/s; nanopaged / HF = {result['ratio_to_hf']:.1f}x"
-        )
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
     return result
 
 

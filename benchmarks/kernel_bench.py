@@ -1,5 +1,8 @@
 """Paged decode/prefill kernels against contiguous torch SDPA on the same data (GPU only).
 
+Each decode case also runs on an fp8 (e4m3) copy of its cache ("decode fp8": TB/s of the
+8-bit KV it reads; its ratio is to bf16 SDPA's time).
+
 python benchmarks/kernel_bench.py [--json PATH] [--sweep]
 """
 
@@ -92,13 +95,26 @@ def decode_rows() -> list[dict]:
             kv_bytes = 2 * k.numel() * k.element_size()
             block_n, _, _ = decode_config(HEAD_DIM, dtype)
             splits = choose_num_splits(batch, num_kv_heads, length, block_n, num_sms(q.device))
+            common = dict(heads=f"{num_heads}q/{num_kv_heads}kv", shape=f"B={batch} L={length}",
+                          sdpa_us=t_sdpa * 1e3, sdpa_tbs=kv_bytes / t_sdpa / 1e9, splits=splits)
             rows.append(dict(
-                kernel="decode", heads=f"{num_heads}q/{num_kv_heads}kv",
-                shape=f"B={batch} L={length}",
-                paged_us=t_paged * 1e3, sdpa_us=t_sdpa * 1e3,
-                paged_tbs=kv_bytes / t_paged / 1e9, sdpa_tbs=kv_bytes / t_sdpa / 1e9,
-                ratio=t_paged / t_sdpa, rel_err=err, splits=splits,
+                kernel="decode", **common, paged_us=t_paged * 1e3,
+                paged_tbs=kv_bytes / t_paged / 1e9, ratio=t_paged / t_sdpa, rel_err=err,
             ))
+            # The same cache in fp8 e4m3 (scales 1.0): half the bytes to read. Its error is
+            # against bf16 SDPA on the unquantized K/V, i.e. mostly the 8-bit rounding.
+            k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+            one = torch.ones(1, device="cuda")
+            args8 = (q3, k8, v8, block_tables, context_lens, scale)
+            out8 = paged_decode(*args8, max_context_len=length, k_scale=one, v_scale=one)
+            err8 = ((out8.float() - ref.float()).norm() / ref.float().norm()).item()
+            t8 = bench_ms(lambda a=args8, n=length, s=one: paged_decode(
+                *a, max_context_len=n, k_scale=s, v_scale=s))
+            rows.append(dict(
+                kernel="decode fp8", **common, paged_us=t8 * 1e3,
+                paged_tbs=kv_bytes / 2 / t8 / 1e9, ratio=t8 / t_sdpa, rel_err=err8,
+            ))
+            del k8, v8
             del k_cache, v_cache, k, v
     return rows
 
@@ -235,7 +251,7 @@ def markdown(rows: list[dict], device: str, copy_tbs: float) -> str:
     lines += ["| kernel | heads | shape | paged µs | SDPA µs | paged | SDPA | ratio | rel err |",
               "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        if r["kernel"] == "decode":
+        if r["kernel"].startswith("decode"):
             rates = f"{r['paged_tbs']:.2f} TB/s | {r['sdpa_tbs']:.2f} TB/s"
             ratio = f"{r['ratio']:.3f}× time (splits {r['splits']})"
         else:

@@ -10,6 +10,8 @@ import torch
 
 PREEMPTION_MODES = ("recompute", "swap")
 LOAD_FORMATS = ("auto", "dummy")
+# vLLM's names; "auto" stores K/V in the model's dtype, "fp8" means e4m3.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
@@ -223,6 +225,30 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype | None:
     return _DTYPES[dtype]
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, device: torch.device) -> torch.dtype | None:
+    """The 8-bit torch dtype of an fp8 kv_cache_dtype (None for "auto": the model's dtype);
+    ValueError when the device cannot hold or read it."""
+    if kv_cache_dtype == "auto":
+        return None
+    name = "float8_e5m2" if kv_cache_dtype == "fp8_e5m2" else "float8_e4m3fn"
+    dtype = getattr(torch, name, None)
+    if dtype is None:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} needs torch.{name}, which torch "
+            f"{torch.__version__} lacks; use kv_cache_dtype='auto'"
+        )
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            gpu = torch.cuda.get_device_name(device)
+            raise ValueError(
+                f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU of compute capability >= 8.9 "
+                f"(Ada, Hopper or newer) for Triton's fp8 loads; {gpu} has {major}.{minor}; "
+                "use kv_cache_dtype='auto'"
+            )
+    return dtype
+
+
 def _positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -253,8 +279,15 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # "auto": the checkpoint's weights; "dummy": random weights of its shapes (benchmarks).
     load_format: str = "auto"
+    # "auto": K/V in the model's dtype; "fp8"/"fp8_e4m3"/"fp8_e5m2": 8 bits with scales.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from nanopaged.config import EngineConfig, ModelConfig, parse_dtype
+from nanopaged.config import EngineConfig, ModelConfig, parse_dtype, resolve_kv_cache_dtype
 from nanopaged.distributed.parallel import check_tp_shapes
 from nanopaged.distributed.workers import TPWorkers, check_device_count
 from nanopaged.engine.block_manager import BlockManager, KVStats
@@ -135,6 +135,7 @@ class LLM:
         quantization: str | None = None,
         generation_config: str | os.PathLike = "auto",
         load_format: str = "auto",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         _check_engine_args(model, trust_remote_code, quantization)
         self._workers: TPWorkers | None = None
@@ -153,9 +154,12 @@ class LLM:
             async_scheduling=async_scheduling,
             tensor_parallel_size=tensor_parallel_size,
             load_format=load_format,
+            kv_cache_dtype=kv_cache_dtype,
         )
         requested_dtype = parse_dtype(dtype)
         self.device = _resolve_device(device)
+        # A dtype the device cannot hold is an error before anything loads.
+        fp8_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.device)
         self.async_scheduling = (
             self.device.type == "cuda" if async_scheduling is None else async_scheduling
         )
@@ -181,6 +185,7 @@ class LLM:
         else:
             cfg_dtype = self.model_config.dtype
             self.dtype = torch.bfloat16 if cfg_dtype == torch.float32 else cfg_dtype
+        self.kv_cache_dtype = self.dtype if fp8_dtype is None else fp8_dtype
         if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
             raise TypeError(
                 f"tokenizer must be a path (str or os.PathLike) or None, "
@@ -199,7 +204,7 @@ class LLM:
             self.eos_token_ids.add(tok_eos)
         num_cpu_blocks = 0
         if self.config.preemption_mode == "swap":
-            per_block = kv_bytes_per_block(self.model_config, block_size, self.dtype)
+            per_block = kv_bytes_per_block(self.model_config, block_size, self.kv_cache_dtype)
             num_cpu_blocks = int(self.config.swap_space * 2**30) // per_block
             if num_cpu_blocks == 0:
                 raise ValueError(
@@ -213,6 +218,7 @@ class LLM:
             max_model_len=self.max_model_len,
             dtype=self.dtype,
             load_format=load_format,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
         if tensor_parallel_size > 1:
             c = self.model_config

@@ -26,6 +26,7 @@ from nanopaged.engine.scheduler import ScheduledBatch
 from nanopaged.engine.sequence import Sequence
 from nanopaged.engine.step_inputs import StepInputs
 from nanopaged.engine.swap import allocate_cpu_kv_cache, run_block_ops
+from nanopaged.kernels.store_kv import is_fp8
 from nanopaged.layers.attention import Attention, AttentionMetadata
 from nanopaged.layers.sampler import SamplingTensors, sample
 from nanopaged.loader import load_dummy_weights, load_weights
@@ -147,9 +148,11 @@ class ModelRunner:
         load_format: str = "auto",
         tp: TensorParallel | None = None,
         workers: TPWorkers | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         """tp: this rank's share under tensor parallelism; workers (rank 0 only): the other
-        ranks, which run every step this runner launches."""
+        ranks, which run every step this runner launches; kv_cache_dtype: the KV tensor's
+        dtype (default: dtype; fp8 e4m3/e5m2 stores K/V in 8 bits with per-layer scales)."""
         self.model_config = model_config
         self.tp = tp or TensorParallel()
         self.workers = workers
@@ -158,6 +161,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.device = device
         self.dtype = dtype
+        self.kv_cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
         self.block_size = engine_config.block_size
         torch.manual_seed(engine_config.seed)
         # A budget the config fixes is checked before anything is loaded.
@@ -178,6 +182,18 @@ class ModelRunner:
             load_weights(self.model, model_dir)
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # kv_scales: [2, num_layers] fp32, K and V scale of each layer (an fp8 cache holds
+        # x / scale). Fixed at 1.0: measured on SmolLM2, scales calibrated from activations
+        # agreed no better with full precision (benchmarks/fp8_accuracy.py). The kernels read
+        # them from the device, so CUDA graphs follow any later change. Under tensor
+        # parallelism each rank holds its own (the same values).
+        self.kv_scales: torch.Tensor | None = None
+        if is_fp8(self.kv_cache_dtype):
+            layers = len(self.attention_layers)
+            self.kv_scales = torch.ones(2, layers, dtype=torch.float32, device=device)
+            for i, layer in enumerate(self.attention_layers):
+                layer.k_scale = self.kv_scales[0, i : i + 1]
+                layer.v_scale = self.kv_scales[1, i : i + 1]
         if profile:
             self.num_blocks = self._blocks_for_budget(self._profile_cuda_budget())
         # Every rank must hold the same block ids: the smallest count any rank can fit.
@@ -190,7 +206,7 @@ class ModelRunner:
             self.block_size,
             self.num_kv_heads,
             model_config.head_dim,
-            dtype=dtype,
+            dtype=self.kv_cache_dtype,
             device=device,
         )
         for i, layer in enumerate(self.attention_layers):
@@ -236,7 +252,7 @@ class ModelRunner:
     @property
     def kv_bytes_per_block(self) -> int:
         return kv_bytes_per_block(
-            self.model_config, self.block_size, self.dtype, self.num_kv_heads
+            self.model_config, self.block_size, self.kv_cache_dtype, self.num_kv_heads
         )
 
     def _blocks_for_budget(self, budget: int) -> int:
@@ -272,7 +288,7 @@ class ModelRunner:
         c = self.model_config
         scratch = torch.empty(
             2, c.num_layers, sum(blocks), self.block_size, self.num_kv_heads, c.head_dim,
-            dtype=self.dtype, device=self.device,
+            dtype=self.kv_cache_dtype, device=self.device,
         )
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = scratch[0, i], scratch[1, i]

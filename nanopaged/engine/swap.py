@@ -64,6 +64,9 @@ def swap_blocks(
     """
     if not pairs:
         return
+    if src_cache.element_size() == 1:
+        # An fp8 cache: move its bytes (CPU torch has no fp8 index_copy_).
+        src_cache, dst_cache = src_cache.view(torch.uint8), dst_cache.view(torch.uint8)
     src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src_cache.device)
     dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst_cache.device)
     # blocks: [2, num_layers, len(pairs), block_size, num_kv_heads, head_dim]

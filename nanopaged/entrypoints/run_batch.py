@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from nanopaged.config import KV_CACHE_DTYPES
 from nanopaged.llm import LLM
 from nanopaged.outputs import CompletionOutput, RequestOutput
 from nanopaged.sampling_params import SamplingParams
@@ -332,6 +333,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="fp8 (= fp8_e4m3) or fp8_e5m2: K/V in 8 bits")  # fmt: skip
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--generation-config", default="auto")
@@ -351,6 +354,7 @@ def main(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
         seed=args.seed,
         generation_config=args.generation_config,

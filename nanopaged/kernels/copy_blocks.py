@@ -53,6 +53,8 @@ def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) ->
     num_pairs = src.shape[0]
     if num_pairs == 0:
         return
+    if kv_cache.element_size() == 1:
+        kv_cache = kv_cache.view(torch.uint8)  # an fp8 cache: copy its bytes
     _, num_layers, num_blocks = kv_cache.shape[:3]
     block_numel = kv_cache[0, 0, 0].numel()
     chunk = min(4096, triton.next_power_of_2(block_numel))

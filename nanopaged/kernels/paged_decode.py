@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanopaged.kernels.store_kv import is_fp8
+
 try:
     import triton
     import triton.language as tl
@@ -17,15 +19,27 @@ except ImportError:  # CPU-only installs use paged_decode_ref
 
 
 def gather_kv(
-    cache: torch.Tensor, block_table: torch.Tensor, context_len: int
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Read the first context_len tokens of one sequence through its block table."""
+    """Read the first context_len tokens of one sequence through its block table, in fp32
+    (an fp8 cache's values times its [1] scale)."""
     block_size = cache.shape[1]
     num_blocks = (context_len + block_size - 1) // block_size
     # blocks: [num_blocks, block_size, num_kv_heads, head_dim] (index_select: see
     # paged_decode_ref)
     blocks = cache.index_select(0, block_table[:num_blocks])
-    return blocks.reshape(-1, *cache.shape[2:])[:context_len]
+    return dequantize(blocks.reshape(-1, *cache.shape[2:])[:context_len], scale)
+
+
+def dequantize(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x in fp32; an fp8 x times its [1] fp32 scale (what the kernels do in registers)."""
+    if is_fp8(x.dtype):
+        assert scale is not None, "an fp8 cache needs its scale"
+        return x.float() * scale
+    return x.float()
 
 
 @dataclass
@@ -56,6 +70,8 @@ def paged_decode_ref(
     context_lens: torch.Tensor,
     scale: float,
     plan: DecodePlan | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference. q: [batch, num_heads, head_dim] -> [batch, num_heads, head_dim].
 
@@ -64,7 +80,8 @@ def paged_decode_ref(
     repeated K/V. Each sequence attends to exactly its own tokens (one call for the batch
     when the lengths are equal), so stale slots past a context, even NaN, are never read and
     no mask is built. An empty context yields zeros, as the kernel writes. `plan`, when
-    given, must be decode_plan(block_tables, context_lens, block_size).
+    given, must be decode_plan(block_tables, context_lens, block_size). An fp8 cache's
+    values are multiplied by k_scale / v_scale ([1] fp32) in fp32.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -77,8 +94,8 @@ def paged_decode_ref(
     # cache: milliseconds per call at 2 threads)
     k = k_cache.index_select(0, plan.tables).view(batch, -1, num_kv_heads, head_dim)
     v = v_cache.index_select(0, plan.tables).view(batch, -1, num_kv_heads, head_dim)
-    k = k[:, : plan.num_tokens].float().transpose(1, 2)
-    v = v[:, : plan.num_tokens].float().transpose(1, 2)
+    k = dequantize(k[:, : plan.num_tokens], k_scale).transpose(1, 2)
+    v = dequantize(v[:, : plan.num_tokens], v_scale).transpose(1, 2)
     # qg: [batch, num_kv_heads, group, head_dim]
     qg = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     if plan.context_lens is None:
@@ -113,6 +130,8 @@ def check_paged_inputs(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Asserts shared by the paged attention launchers; ValueError for unsupported shapes."""
     assert triton is not None, "paged attention kernels need triton; use the *_ref functions"
@@ -124,7 +143,8 @@ def check_paged_inputs(
         raise ValueError(f"block_size must be a power of two >= 8, got {block_size}")
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0, (q.shape, k_cache.shape)
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
-    assert k_cache.dtype == v_cache.dtype == q.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
+    assert k_cache.dtype == v_cache.dtype, (k_cache.dtype, v_cache.dtype)
+    assert k_cache.dtype == q.dtype or is_fp8(k_cache.dtype), (q.dtype, k_cache.dtype)
     assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert q.stride(2) == 1, q.stride()
@@ -133,6 +153,10 @@ def check_paged_inputs(
     assert context_lens.dtype == torch.int32 and context_lens.is_contiguous()
     assert context_lens.shape == (block_tables.shape[0],), (context_lens.shape, block_tables.shape)
     assert q.device == k_cache.device == block_tables.device == context_lens.device
+    if is_fp8(k_cache.dtype):
+        assert k_scale is not None and v_scale is not None, "an fp8 cache needs its scales"
+        assert k_scale.dtype == v_scale.dtype == torch.float32, (k_scale.dtype, v_scale.dtype)
+        assert k_scale.device == v_scale.device == q.device
 
 
 if triton is not None:
@@ -140,16 +164,19 @@ if triton is not None:
     @triton.jit
     def _paged_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-        out_ptr, part_out_ptr, part_lse_ptr,
+        out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
         qk_scale, tokens_per_split,
         stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
         stride_cb, stride_ct, stride_ch,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
         NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        IS_FP8: tl.constexpr,
     ):
         # One program: all GROUP query heads of one KV head of one sequence, over one KV split,
         # so every K/V tile is read once; the group is padded to GROUP_PAD >= 16 dot rows.
+        # IS_FP8: K/V tiles are cast up to q's dtype (exact) in registers; k_scale folds into
+        # the softmax scale and v_scale into the output, the same product as dequantizing.
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
         split = tl.program_id(2)
@@ -172,6 +199,8 @@ if triton is not None:
             q_ptr + seq64 * stride_qb + heads[:, None] * stride_qh + dims[None, :],
             mask=row_mask[:, None], other=0.0,
         )
+        if IS_FP8:
+            qk_scale = qk_scale * tl.load(k_scale_ptr)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -196,6 +225,9 @@ if triton is not None:
                         other=0.0)
             v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=tok_mask[:, None],
                         other=0.0)
+            if IS_FP8:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
             # s: [GROUP_PAD, BLOCK_N]; scores in log2 units
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             s = tl.where(tok_mask[None, :], s, float("-inf"))
@@ -208,6 +240,8 @@ if triton is not None:
         # An empty context leaves l_i = 0: write zeros, not NaN.
         safe_l = tl.where(l_i > 0.0, l_i, 1.0)
         out = acc / safe_l[:, None]
+        if IS_FP8:
+            out = out * tl.load(v_scale_ptr)
         if SPLIT:
             # part_out: [batch, num_heads, splits, HEAD_DIM]; part_lse: [batch, num_heads, splits]
             num_splits = tl.num_programs(2)
@@ -277,6 +311,8 @@ def paged_decode_launch(
     num_warps: int,
     num_stages: int,
     prefetch: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_decode with every launch choice explicit (tests and the benchmark sweep use it)."""
     batch, num_heads, head_dim = q.shape
@@ -298,13 +334,13 @@ def paged_decode_launch(
     grid = (num_kv_heads, batch, num_splits)
     _paged_decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        scale * math.log2(math.e), tokens_per_split,
+        k_scale, v_scale, scale * math.log2(math.e), tokens_per_split,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, NUM_STAGES=num_stages,
-        PREFETCH=prefetch,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        PREFETCH=prefetch, DOT_PRECISION=dot_precision(q.dtype), IS_FP8=is_fp8(k_cache.dtype),
+        num_warps=num_warps, num_stages=num_stages,
     )
     if split:
         _merge_splits_kernel[(num_heads, batch)](
@@ -323,15 +359,19 @@ def paged_decode(
     context_lens: torch.Tensor,
     scale: float,
     max_context_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over paged K/V; q: [batch, num_heads, head_dim] -> same shape and dtype.
 
     head_dim: a power of two in [16, 256] (ValueError otherwise); block_size: a power of two
     >= 8; fp16/bf16/fp32 (fp32 exact, no TF32). No host sync: the split-KV count comes from
     max_context_len (an upper bound on every context_len) or else the block-table width, so
-    the call can be captured in a CUDA graph. An empty context yields zeros.
+    the call can be captured in a CUDA graph. An empty context yields zeros. An fp8 cache
+    (e4m3 or e5m2) is dequantized in registers with k_scale / v_scale ([1] fp32 on the device,
+    read by the kernel, so graphs see later changes).
     """
-    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if max_context_len is None:
@@ -340,4 +380,5 @@ def paged_decode(
     num_splits = choose_num_splits(batch, num_kv_heads, max_context_len, block_n,
                                    num_sms(q.device))
     return paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale,
-                               max_context_len, num_splits, block_n, num_warps, num_stages)
+                               max_context_len, num_splits, block_n, num_warps, num_stages,
+                               k_scale=k_scale, v_scale=v_scale)

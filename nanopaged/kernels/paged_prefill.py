@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from nanopaged.kernels.paged_decode import check_paged_inputs, dot_precision, gather_kv
+from nanopaged.kernels.store_kv import is_fp8
 
 try:
     import triton
@@ -24,6 +25,8 @@ def paged_prefill_ref(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference. q: [num_tokens, num_heads, head_dim] -> same shape.
 
@@ -31,7 +34,8 @@ def paged_prefill_ref(
     query j sits at position context_lens[i] - q_len + j and sees keys 0..that position.
     Also the CPU path: per sequence, one gather of its context (only slots below
     context_len, so nothing stale is read) and one fused causal SDPA call, never a full
-    score matrix in memory.
+    score matrix in memory. An fp8 cache's values are multiplied by k_scale / v_scale ([1]
+    fp32) in fp32.
     """
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
@@ -44,8 +48,8 @@ def paged_prefill_ref(
         # qs: [1, num_heads, q_len, head_dim]; k, v: [1, num_kv_heads, context_len, head_dim]
         # (4-D: torch's fused CPU attention takes nothing else, 3-D falls back to the math path)
         qs = q[start:end].float().transpose(0, 1)[None]
-        k = gather_kv(k_cache, block_tables[i], context_len).float().transpose(0, 1)[None]
-        v = gather_kv(v_cache, block_tables[i], context_len).float().transpose(0, 1)[None]
+        k = gather_kv(k_cache, block_tables[i], context_len, k_scale).transpose(0, 1)[None]
+        v = gather_kv(v_cache, block_tables[i], context_len, v_scale).transpose(0, 1)[None]
         # enable_gqa: the fused CPU kernel maps each query head to its KV head, no repeat copy.
         if q_len == context_len:
             o = F.scaled_dot_product_attention(
@@ -90,7 +94,10 @@ if triton is not None:
     @triton.jit
     def _softmax_update(q, k, v, m_i, l_i, acc, visible, qk_scale,
                         MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        # One online-softmax step over a key tile; scores stay in log2 units, fp32.
+        # One online-softmax step over a key tile; scores stay in log2 units, fp32. An fp8
+        # tile is cast up to q's dtype (exact; a no-op otherwise).
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
             s = tl.where(visible, s, float("-inf"))
@@ -108,17 +115,18 @@ if triton is not None:
     @triton.jit
     def _paged_prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
-        out_ptr, qk_scale,
+        out_ptr, k_scale_ptr, v_scale_ptr, qk_scale,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         stride_cb, stride_ct, stride_ch,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
         PREFETCH: tl.constexpr, PACK_GQA: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
     ):
         # Grid: (head or KV head, sequence, query tile); the costliest (last) tiles launch first.
         # PACK_GQA: one program's BLOCK_M rows are (query, head) pairs of one KV head's group,
         # query-major, so each K/V tile serves the whole group.
+        # IS_FP8: k_scale folds into the softmax scale, v_scale into the output.
         seq = tl.program_id(1)
         m_block = tl.num_programs(2) - 1 - tl.program_id(2)
         q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -152,6 +160,8 @@ if triton is not None:
         q_offs = q_rows * stride_qt + heads * stride_qh
         o_offs = q_rows * stride_ot + heads * stride_oh
         q = tl.load(q_ptr + q_offs[:, None] + dims[None, :], mask=row_mask[:, None], other=0.0)
+        if IS_FP8:
+            qk_scale = qk_scale * tl.load(k_scale_ptr)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -202,6 +212,8 @@ if triton is not None:
             m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, visible, qk_scale, True,
                                             DOT_PRECISION)
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        if IS_FP8:
+            out = out * tl.load(v_scale_ptr)
         tl.store(out_ptr + o_offs[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_mask[:, None])
 
@@ -238,6 +250,8 @@ def paged_prefill_launch(
     num_stages: int,
     prefetch: int = 0,
     pack_gqa: bool = False,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_prefill with every launch choice explicit (tests and the benchmark sweep use it)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -252,14 +266,14 @@ def paged_prefill_launch(
     else:
         grid = (num_heads, batch, triton.cdiv(max_seqlen_q, block_m))
     _paged_prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, k_scale, v_scale,
         scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, PREFETCH=prefetch,
-        PACK_GQA=pack_gqa,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        PACK_GQA=pack_gqa, DOT_PRECISION=dot_precision(q.dtype), IS_FP8=is_fp8(k_cache.dtype),
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
@@ -274,18 +288,21 @@ def paged_prefill(
     scale: float,
     max_seqlen_q: int,
     max_context_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention over paged K/V; q: [num_tokens, num_heads, head_dim] -> same.
 
     Sequence i's queries are its last q_len tokens (q_len may be 0 or 1). Same support as
     paged_decode: head_dim a power of two in [16, 256] (ValueError otherwise), block_size a
     power of two >= 8, fp16/bf16/fp32 (fp32 exact). max_seqlen_q bounds every q_len; the grid
-    comes from host ints only. max_context_len is accepted for symmetry and unused.
+    comes from host ints only. max_context_len is accepted for symmetry and unused. An fp8
+    cache is dequantized in registers with k_scale / v_scale ([1] fp32 on the device).
     """
-    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.is_contiguous()
     assert cu_seqlens_q.shape == (context_lens.shape[0] + 1,), cu_seqlens_q.shape
     assert cu_seqlens_q.device == q.device
     config = prefill_config(q.shape[2], q.dtype, max_seqlen_q)
     return paged_prefill_launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                                scale, max_seqlen_q, *config)
+                                scale, max_seqlen_q, *config, k_scale=k_scale, v_scale=v_scale)

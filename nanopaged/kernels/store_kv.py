@@ -1,4 +1,4 @@
-"""Write this step's K/V into the paged cache at slot_mapping."""
+"""Write this step's K/V into the paged cache at slot_mapping (quantized for an 8-bit cache)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,19 @@ try:
 except ImportError:  # CPU-only installs use store_kv_ref
     triton = None
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether a KV cache of this dtype holds 8-bit values with per-layer scales."""
+    return dtype in FP8_DTYPES
+
+
+def quantize_ref(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x / scale, clamped to dtype's finite range, cast to the 8-bit dtype; scale: [1] fp32."""
+    fmax = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-fmax, fmax).to(dtype)
+
 
 def store_kv_ref(
     key: torch.Tensor,
@@ -17,8 +30,13 @@ def store_kv_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Torch reference: key/value [N, num_kv_heads, head_dim] into the caches (-1 skips)."""
+    """Torch reference: key/value [N, num_kv_heads, head_dim] into the caches (-1 skips).
+
+    An fp8 cache stores key / k_scale and value / v_scale ([1] fp32 tensors), clamped.
+    """
     # k_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     #       -> [num_slots, num_kv_heads, head_dim]
     num_kv_heads, head_dim = k_cache.shape[-2:]
@@ -26,6 +44,13 @@ def store_kv_ref(
     if bool((slots < 0).any()):
         keep = torch.nonzero(slots >= 0).flatten()
         slots, key, value = slots[keep], key[keep], value[keep]
+    if is_fp8(k_cache.dtype):
+        assert k_scale is not None and v_scale is not None, "an fp8 cache needs its scales"
+        key = quantize_ref(key, k_scale, k_cache.dtype)
+        value = quantize_ref(value, v_scale, v_cache.dtype)
+        # CPU torch has no fp8 index_copy_: move the bytes.
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     # index_copy_, not boolean-mask assignment: on CPU that threads its loop over the whole
     # cache and costs milliseconds per call at 2 threads.
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
@@ -36,13 +61,14 @@ if triton is not None:
 
     @triton.jit
     def _store_kv_kernel(
-        key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+        key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
         stride_kt, stride_kh, stride_kd,
         stride_vt, stride_vh, stride_vd,
         NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr,
     ):
-        # One program writes every head of one token.
+        # One program writes every head of one token. FP8_MAX > 0: quantize (exact division,
+        # as the reference, so both round to the same 8-bit value).
         token = tl.program_id(0)
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         if slot < 0:
@@ -53,6 +79,13 @@ if triton is not None:
         token64 = token.to(tl.int64)
         k = tl.load(key_ptr + token64 * stride_kt + h * stride_kh + d * stride_kd, mask=mask)
         v = tl.load(value_ptr + token64 * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
+        if FP8_MAX > 0:
+            # div_rn does not broadcast: give it the scale as a full tile.
+            tile = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+            k = tl.div_rn(k.to(tl.float32), tile + tl.load(k_scale_ptr))
+            v = tl.div_rn(v.to(tl.float32), tile + tl.load(v_scale_ptr))
+            k = tl.clamp(k, -FP8_MAX, FP8_MAX)
+            v = tl.clamp(v, -FP8_MAX, FP8_MAX)
         dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM + d
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
@@ -64,8 +97,13 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Scatter key/value [N, num_kv_heads, head_dim] (any strides) into the caches; -1 skips."""
+    """Scatter key/value [N, num_kv_heads, head_dim] (any strides) into the caches; -1 skips.
+
+    An fp8 cache takes its [1] fp32 scales: it stores clamp(x / scale) in 8 bits.
+    """
     assert triton is not None, "store_kv needs triton; use store_kv_ref"
     num_tokens, num_kv_heads, head_dim = key.shape
     assert value.shape == key.shape, (value.shape, key.shape)
@@ -75,13 +113,19 @@ def store_kv(
     assert slot_mapping.shape == (num_tokens,), slot_mapping.shape
     assert slot_mapping.dtype in (torch.int32, torch.int64), slot_mapping.dtype
     assert key.device == k_cache.device == slot_mapping.device
+    fp8_max = 0.0
+    if is_fp8(k_cache.dtype):
+        assert k_scale is not None and v_scale is not None, "an fp8 cache needs its scales"
+        assert k_scale.dtype == v_scale.dtype == torch.float32, (k_scale.dtype, v_scale.dtype)
+        assert k_scale.device == v_scale.device == k_cache.device
+        fp8_max = torch.finfo(k_cache.dtype).max
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4,
+        FP8_MAX=fp8_max, num_warps=4,
     )

@@ -32,7 +32,8 @@ class Attention(nn.Module):
     """Multi-head attention with grouped KV heads over one layer's slice of the KV cache.
 
     k_cache/v_cache are views of the engine's one KV tensor, bound by the ModelRunner once it
-    has sized and allocated it: [num_blocks, block_size, num_kv_heads, head_dim].
+    has sized and allocated it: [num_blocks, block_size, num_kv_heads, head_dim]. An fp8
+    cache comes with k_scale/v_scale, [1] fp32 views of the runner's per-layer scales.
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
@@ -43,6 +44,8 @@ class Attention(nn.Module):
         self.scale = scale
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -51,22 +54,27 @@ class Attention(nn.Module):
         assert self.k_cache is not None, "KV cache not bound"
         use_triton = q.is_cuda
         k_cache, v_cache = self.k_cache, self.v_cache
+        scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         if use_triton:
-            store_kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            store_kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         else:
-            store_kv.store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+            store_kv.store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         args = (q, k_cache, v_cache, meta.block_tables)
         if meta.is_decode:
             if use_triton:
                 return paged_decode.paged_decode(
-                    *args, meta.context_lens, self.scale, max_context_len=meta.max_context_len
+                    *args,
+                    meta.context_lens,
+                    self.scale,
+                    max_context_len=meta.max_context_len,
+                    **scales,
                 )
             if meta.decode_plan is None:
                 meta.decode_plan = paged_decode.decode_plan(
                     meta.block_tables, meta.context_lens, k_cache.shape[1]
                 )
             return paged_decode.paged_decode_ref(
-                *args, meta.context_lens, self.scale, plan=meta.decode_plan
+                *args, meta.context_lens, self.scale, plan=meta.decode_plan, **scales
             )
         if use_triton:
             return paged_prefill.paged_prefill(
@@ -76,7 +84,8 @@ class Attention(nn.Module):
                 self.scale,
                 max_seqlen_q=meta.max_seqlen_q,
                 max_context_len=meta.max_context_len,
+                **scales,
             )
         return paged_prefill.paged_prefill_ref(
-            *args, meta.cu_seqlens_q, meta.context_lens, self.scale
+            *args, meta.cu_seqlens_q, meta.context_lens, self.scale, **scales
         )

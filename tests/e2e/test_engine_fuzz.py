@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -38,6 +38,7 @@ class EngineKey:
     enable_prefix_caching: bool
     preemption_mode: str
     max_num_batched_tokens: int
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass
@@ -60,17 +61,20 @@ class Engines:
     def __init__(self, model_dir) -> None:
         self.model_dir = model_dir
         self.cache: dict[EngineKey, LLM] = {}
-        self.block_bytes: dict[int, int] = {}
+        self.block_bytes: dict[tuple[int, str], int] = {}
 
     def get(self, key: EngineKey) -> LLM:
         if key not in self.cache:
-            if key.block_size not in self.block_bytes:
-                probe = LLM(str(self.model_dir), block_size=key.block_size, kv_cache_memory=1 << 22)
-                self.block_bytes[key.block_size] = probe.runner.kv_bytes_per_block
+            kind = (key.block_size, key.kv_cache_dtype)
+            if kind not in self.block_bytes:
+                probe = LLM(str(self.model_dir), block_size=key.block_size, kv_cache_memory=1 << 22,
+                            kv_cache_dtype=key.kv_cache_dtype)  # fmt: skip
+                self.block_bytes[kind] = probe.runner.kv_bytes_per_block
             self.cache[key] = LLM(
                 str(self.model_dir),
                 block_size=key.block_size,
-                kv_cache_memory=key.num_blocks * self.block_bytes[key.block_size],
+                kv_cache_memory=key.num_blocks * self.block_bytes[kind],
+                kv_cache_dtype=key.kv_cache_dtype,
                 enable_prefix_caching=key.enable_prefix_caching,
                 preemption_mode=key.preemption_mode,
                 swap_space=0.01,
@@ -84,7 +88,9 @@ class Engines:
     def reference(self, key: EngineKey) -> LLM:
         """Room for every request of a workload at once: nothing is ever preempted."""
         blocks = 8 * -(-MAX_MODEL_LEN // key.block_size)  # max_num_seqs full-length sequences
-        return self.get(EngineKey(key.block_size, blocks, False, "recompute", 4096))
+        return self.get(
+            EngineKey(key.block_size, blocks, False, "recompute", 4096, key.kv_cache_dtype)
+        )
 
 
 @pytest.fixture(scope="module")
@@ -207,13 +213,17 @@ def run(llm: LLM, w: Workload) -> list:
     ]
 
 
-def test_tight_pools_match_a_large_pool(engines, model_dir):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_tight_pools_match_a_large_pool(engines, model_dir, kv_cache_dtype):
+    """The workloads on caches in the model's dtype, and a quarter of them on 8-bit caches."""
     rng = random.Random(FUZZ_SEED)
     tok = engines.reference(EngineKey(8, 8, False, "recompute", 16)).tokenizer
     failures = []
     preemptions = swaps = 0
-    for i in range(NUM_WORKLOADS):
+    num_workloads = NUM_WORKLOADS if kv_cache_dtype == "auto" else max(1, NUM_WORKLOADS // 4)
+    for i in range(num_workloads):
         w = random_workload(rng, tok)
+        w.key = replace(w.key, kv_cache_dtype=kv_cache_dtype)
         tight = engines.get(w.key)
         before = (tight.scheduler.num_preemptions, tight.scheduler.num_swap_outs)
         try:
@@ -229,5 +239,5 @@ def test_tight_pools_match_a_large_pool(engines, model_dir):
         if got != want:
             failures.append((i, w, "outputs differ from the large pool's"))
     # The workloads must actually exercise preemption, or this test proves nothing.
-    assert preemptions > NUM_WORKLOADS // 4 and swaps > NUM_WORKLOADS // 20, (preemptions, swaps)
-    assert not failures, f"{len(failures)} of {NUM_WORKLOADS} failed; first: {failures[0]}"
+    assert preemptions > num_workloads // 4 and swaps > num_workloads // 20, (preemptions, swaps)
+    assert not failures, f"{len(failures)} of {num_workloads} failed; first: {failures[0]}"

@@ -98,6 +98,25 @@ def llama_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("llama-tp"), "llama")
 
 
+def test_tp_fp8_cache_matches_one_rank(llama_dir):
+    """Each rank quantizes its own KV heads with the same per-layer scales: tp=2 over a tight
+    fp8 pool (swapping) gives the tokens of one rank with a large fp8 pool."""
+    prompts = _prompts(512)
+    kw = dict(block_size=8, kv_cache_dtype="fp8", max_model_len=128, max_num_batched_tokens=48)
+    single = LLM(str(llama_dir), kv_cache_memory=1 << 22, **kw)
+    want = [o.outputs[0].token_ids for o in single.generate(prompts, GREEDY, use_tqdm=False)]
+    del single
+    per_block = 2 * 2 * 8 * 1 * 16 * 1  # K and V, 2 layers, 8 tokens, 1 KV head, 1 byte
+    with LLM(str(llama_dir), tensor_parallel_size=2, kv_cache_memory=24 * per_block,
+             preemption_mode="swap", swap_space=0.01, **kw) as llm:  # fmt: skip
+        assert llm.block_manager.num_blocks == 24
+        assert llm.runner.kv_cache.dtype == torch.float8_e4m3fn
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert got == want
+        assert llm.scheduler.num_swap_outs > 0
+    assert _wait_no_workers() == []
+
+
 def test_worker_error_reaches_caller(llama_dir, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "1:2")  # rank 1 raises at its third step
     llm = LLM(str(llama_dir), tensor_parallel_size=2, kv_cache_memory=1 << 22)
@@ -224,14 +243,15 @@ GPU_SHAPES = {
 @pytest.mark.gpu
 @two_gpus
 @pytest.mark.parametrize("family", list(GPU_SHAPES))
-def test_gpu_tp2_equals_tp1(tmp_path, family):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_gpu_tp2_equals_tp1(tmp_path, family, kv_cache_dtype):
     path = make_tiny_model(tmp_path / family, family, **GPU_SHAPES[family])
     vocab = GPU_SHAPES[family].get("vocab_size", 512)
     prompts = _prompts(vocab, seed=1) + [[7] * 33, list(range(3, 60))]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     # Each LLM takes a share of the GPU, so the single-rank one need not be freed first.
     kw = dict(dtype="float32", max_num_seqs=16, max_model_len=512, block_size=16,
-              gpu_memory_utilization=0.4)  # fmt: skip
+              gpu_memory_utilization=0.4, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     single = LLM(str(path), **kw)
     want = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
     del single

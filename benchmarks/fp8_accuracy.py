@@ -1,0 +1,152 @@
+"""FP8 KV cache accuracy: teacher-forced top-1 agreement and perplexity against full precision.
+
+python benchmarks/fp8_accuracy.py                 embedded SmolLM2 (CPU), benchmarks/
+                                                  fp8_accuracy_text.txt, e4m3 and e5m2
+python benchmarks/fp8_accuracy.py --scales calibrated
+                                                  per-layer scales from the full-precision
+                                                  run's K/V maxima instead of 1.0
+python benchmarks/fp8_accuracy.py --gpu [--json PATH]
+                                                  random Qwen3-0.6B-shaped bf16 model on CUDA,
+                                                  random token sequences, fp8 against bf16 KV
+Every position of the text is predicted from the true tokens before it (one prefill through
+the engine's paged KV cache, prompt_logprobs' path), with each KV cache dtype in turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from nanopaged import LLM
+from nanopaged.engine.prompt_logprobs import compute_prompt_logprobs
+
+TEXT = Path(__file__).resolve().parent / "fp8_accuracy_text.txt"
+FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def teacher_forced(llm: LLM, sequences: list[list[int]]) -> tuple[list[int], list[float]]:
+    """For every position after the first of each sequence: the argmax token, and the
+    logprob of the true next token."""
+    top1: list[int] = []
+    logprobs: list[float] = []
+    for ids in sequences:
+        entries, ranks = compute_prompt_logprobs(llm.runner, ids, 1)
+        for j, (entry, rank) in enumerate(zip(entries, ranks)):
+            top1.append(next(t for t, r in rank.items() if r == 1))
+            logprobs.append(entry[ids[j + 1]])
+    return top1, logprobs
+
+
+def kv_maxima(llm: LLM, sequences: list[list[int]]) -> torch.Tensor:
+    """[2, num_layers]: the largest |K| and |V| each layer stores over the sequences."""
+    layers = llm.runner.attention_layers
+    amax = torch.zeros(2, len(layers))
+
+    def hook(i: int):
+        def record(module, args):
+            _, k, v, _ = args
+            amax[0, i] = max(amax[0, i], k.abs().max().item())
+            amax[1, i] = max(amax[1, i], v.abs().max().item())
+
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(i)) for i, m in enumerate(layers)]
+    try:
+        teacher_forced(llm, sequences)
+    finally:
+        for h in handles:
+            h.remove()
+    return amax
+
+
+def free_memory() -> None:
+    """Collect a deleted LLM now, so the next one sizes its cache with its memory free."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def perplexity(logprobs: list[float]) -> float:
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def compare(make_llm, sequences: list[list[int]], scales: str) -> dict:
+    """Each fp8 format against the model-dtype KV cache on the same sequences."""
+    base = make_llm("auto")
+    t = time.perf_counter()
+    base_top1, base_lp = teacher_forced(base, sequences)
+    amax = kv_maxima(base, sequences) if scales == "calibrated" else None
+    del base
+    free_memory()
+    ppl = perplexity(base_lp)
+    result = {"positions": len(base_top1), "scales": scales, "perplexity_auto": ppl,
+              "seconds_auto": time.perf_counter() - t, "formats": {}}  # fmt: skip
+    print(f"{len(base_top1)} positions; KV in the model's dtype: perplexity {ppl:.4f}", flush=True)
+    for name, dtype in FORMATS.items():
+        llm = make_llm(name)
+        if amax is not None:
+            # 2x headroom over the observed maxima, for text the calibration did not see.
+            llm.runner.kv_scales.copy_(amax * 2 / torch.finfo(dtype).max)
+        top1, lp = teacher_forced(llm, sequences)
+        del llm
+        free_memory()
+        agree = sum(a == b for a, b in zip(top1, base_top1)) / len(top1)
+        row = {"top1_agreement": agree, "perplexity": perplexity(lp),
+               "perplexity_change": perplexity(lp) / ppl - 1}  # fmt: skip
+        result["formats"][name] = row
+        print(
+            f"{name}: top-1 agreement {100 * agree:.2f}%, perplexity {row['perplexity']:.4f} "
+            f"({100 * row['perplexity_change']:+.2f}%)",
+            flush=True,
+        )
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--gpu", action="store_true", help="random Qwen3-0.6B shape on CUDA")
+    parser.add_argument("--scales", choices=["fixed", "calibrated"], default="fixed")
+    parser.add_argument("--max-tokens", type=int, default=None, help="CPU: first N text tokens")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if args.gpu:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from bench import QWEN3_0_6B, random_model
+
+        model_dir = str(random_model(QWEN3_0_6B, "qwen3-0.6b", "cuda"))
+        rng = random.Random(0)
+        sequences = [[rng.randrange(0, 100000) for _ in range(1024)] for _ in range(4)]
+
+        def make_llm(kv: str) -> LLM:
+            return LLM(model_dir, kv_cache_dtype=kv, max_model_len=2048, enforce_eager=True,
+                       gpu_memory_utilization=0.5)  # fmt: skip
+
+        device = torch.cuda.get_device_name()
+    else:
+        probe = LLM(kv_cache_memory=1 << 20, max_model_len=16)
+        ids = probe.get_tokenizer()(TEXT.read_text())["input_ids"][: args.max_tokens]
+        del probe
+        sequences = [ids]
+
+        def make_llm(kv: str) -> LLM:
+            return LLM(kv_cache_dtype=kv, kv_cache_memory=256 << 20, max_model_len=len(ids))
+
+        device = "cpu"
+    result = {"device": device, **compare(make_llm, sequences, args.scales)}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
