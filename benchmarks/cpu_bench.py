@@ -81,19 +81,22 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def run_cpu_bench(rounds: int = 3, threads: int | None = None) -> dict:
-    """Median seconds per row for nanopaged and HF over interleaved rounds, and HF / nanopaged."""
+def run_cpu_bench(
+    rounds: int = 3, threads: int | None = None, dtype: str = "float32"
+) -> dict:
+    """Median seconds per row for nanopaged and HF over interleaved rounds, and HF / nanopaged;
+    both engines run the same weights in the same dtype."""
     import transformers
 
     if threads is not None:
         torch.set_num_threads(threads)
     gguf = embedded_gguf()
     start = time.perf_counter()
-    llm = LLM(device="cpu", dtype="float32")
+    llm = LLM(device="cpu", dtype=dtype)
     load_s = time.perf_counter() - start
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype)
     ).eval()
     vocab = hf.config.vocab_size
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -129,7 +132,8 @@ def run_cpu_bench(rounds: int = 3, threads: int | None = None) -> dict:
             for engine, fn in order if r % 2 == 0 else order[::-1]:
                 t[engine].append(_timed(fn))
                 print(f"  round {r} {name}: {engine} {t[engine][-1]:.2f} s", flush=True)
-    result = {"threads": torch.get_num_threads(), "rounds": rounds, "load_s": load_s, "rows": {}}
+    result = {"threads": torch.get_num_threads(), "rounds": rounds, "load_s": load_s,
+              "dtype": dtype, "rows": {}}  # fmt: skip
     for name, t in times.items():
         nano_s, hf_s = statistics.median(t["nanopaged"]), statistics.median(t["hf"])
         result["rows"][name] = {"nanopaged_s": nano_s, "hf_s": hf_s, "speedup": hf_s / nano_s}
@@ -137,7 +141,8 @@ def run_cpu_bench(rounds: int = 3, threads: int | None = None) -> dict:
 
 
 def print_result(result: dict) -> None:
-    print(f"CPU, {result['threads']} threads, median of {result['rounds']} interleaved rounds "
+    print(f"CPU, {result['dtype']}, {result['threads']} threads, median of {result['rounds']} "
+          f"interleaved rounds "
           f"(LLM() load {result['load_s']:.1f} s)")
     print(f"{'row':<32} {'nanopaged':>10} {'HF':>10} {'HF/nano':>8}")
     for name, row in result["rows"].items():
@@ -149,8 +154,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads for both")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="weights and activations of both engines")  # fmt: skip
     args = parser.parse_args(argv)
-    result = run_cpu_bench(args.rounds, args.threads)
+    result = run_cpu_bench(args.rounds, args.threads, args.dtype)
     print_result(result)
     return result
 

@@ -28,6 +28,7 @@ from nanopaged.engine.step_inputs import StepInputs
 from nanopaged.engine.swap import allocate_cpu_kv_cache, run_block_ops
 from nanopaged.kernels.store_kv import is_fp8
 from nanopaged.layers.attention import Attention, AttentionMetadata
+from nanopaged.layers.cpu_gemm import pack_model
 from nanopaged.layers.sampler import SamplingTensors, sample
 from nanopaged.loader import load_dummy_weights, load_weights
 from nanopaged.models import build_model
@@ -181,6 +182,7 @@ class ModelRunner:
         else:
             load_weights(self.model, model_dir)
         self.model.eval()
+        pack_model(self.model)  # CPU bf16 only: oneDNN-packed GEMM weights
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # kv_scales: [2, num_layers] fp32, K and V scale of each layer (an fp8 cache holds
         # x / scale). Fixed at 1.0: measured on SmolLM2, scales calibrated from activations

@@ -23,23 +23,27 @@ def gather_kv(
     block_table: torch.Tensor,
     context_len: int,
     scale: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Read the first context_len tokens of one sequence through its block table, in fp32
+    """Read the first context_len tokens of one sequence through its block table, in dtype
     (an fp8 cache's values times its [1] scale)."""
     block_size = cache.shape[1]
     num_blocks = (context_len + block_size - 1) // block_size
     # blocks: [num_blocks, block_size, num_kv_heads, head_dim] (index_select: see
     # paged_decode_ref)
     blocks = cache.index_select(0, block_table[:num_blocks])
-    return dequantize(blocks.reshape(-1, *cache.shape[2:])[:context_len], scale)
+    return dequantize(blocks.reshape(-1, *cache.shape[2:])[:context_len], scale, dtype)
 
 
-def dequantize(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """x in fp32; an fp8 x times its [1] fp32 scale (what the kernels do in registers)."""
+def dequantize(
+    x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """x in dtype; an fp8 x times its [1] fp32 scale first (what the kernels do in
+    registers)."""
     if is_fp8(x.dtype):
         assert scale is not None, "an fp8 cache needs its scale"
-        return x.float() * scale
-    return x.float()
+        return (x.float() * scale).to(dtype)
+    return x.to(dtype)
 
 
 @dataclass

@@ -38,6 +38,9 @@ def paged_prefill_ref(
     fp32) in fp32.
     """
     out = torch.empty_like(q)
+    # bf16 runs torch's fused attention in bf16 (fp32 accumulation inside; several times the
+    # fp32 speed on CPUs with bf16 units); other dtypes attend in fp32.
+    work = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
     cu = cu_seqlens_q.tolist()
     lens = context_lens.tolist()
     for i, context_len in enumerate(lens):
@@ -47,9 +50,9 @@ def paged_prefill_ref(
             continue
         # qs: [1, num_heads, q_len, head_dim]; k, v: [1, num_kv_heads, context_len, head_dim]
         # (4-D: torch's fused CPU attention takes nothing else, 3-D falls back to the math path)
-        qs = q[start:end].float().transpose(0, 1)[None]
-        k = gather_kv(k_cache, block_tables[i], context_len, k_scale).transpose(0, 1)[None]
-        v = gather_kv(v_cache, block_tables[i], context_len, v_scale).transpose(0, 1)[None]
+        qs = q[start:end].to(work).transpose(0, 1)[None]
+        k = gather_kv(k_cache, block_tables[i], context_len, k_scale, work).transpose(0, 1)[None]
+        v = gather_kv(v_cache, block_tables[i], context_len, v_scale, work).transpose(0, 1)[None]
         # enable_gqa: the fused CPU kernel maps each query head to its KV head, no repeat copy.
         if q_len == context_len:
             o = F.scaled_dot_product_attention(

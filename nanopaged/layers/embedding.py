@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanopaged.distributed.parallel import TensorParallel
+from nanopaged.layers.cpu_gemm import linear
 from nanopaged.layers.linear import SINGLE
 
 
@@ -51,8 +52,13 @@ class VocabEmbedding(nn.Module):
 class LMHead(VocabEmbedding):
     """Hidden vector -> vocabulary logits; rank 0 gathers the ranks' slices, others get None."""
 
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(vocab_size, hidden_size, tp)
+        # CPU bf16: the weight prepacked for oneDNN (see layers/cpu_gemm.pack_model).
+        self.packed_weight: torch.Tensor | None = None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, None, self.packed_weight)
         if self.tp.size == 1:
             return logits
         # logits: [rows, rows_per_rank] per rank -> [rows, vocab_size] on rank 0

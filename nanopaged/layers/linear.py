@@ -8,10 +8,10 @@ all-reduce. With a single rank both are a plain linear.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanopaged.distributed.parallel import TensorParallel, local_kv_heads
+from nanopaged.layers.cpu_gemm import linear
 
 SINGLE = TensorParallel()
 
@@ -41,13 +41,15 @@ class Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        # CPU bf16: the weight prepacked for oneDNN (see layers/cpu_gemm.pack_model).
+        self.packed_weight: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         assert shard_id is None
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ColumnParallelLinear(Linear):
@@ -157,6 +159,6 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1 or not self.reduce_results:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias, self.packed_weight)
+        out = self.tp.all_reduce(linear(x, self.weight, None, self.packed_weight))
         return out if self.bias is None else out + self.bias

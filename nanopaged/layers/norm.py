@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanopaged.kernels.rms_norm import rms_norm
+from nanopaged.kernels.rms_norm import rms_norm, rms_norm_ref
 
 
 class RMSNorm(nn.Module):
@@ -16,22 +16,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if x.is_cuda:
             return self._fused(x, residual)
-        if residual is None:
-            return self._norm(x)
-        # The sum becomes the next residual; the norm of it feeds the next sublayer.
-        residual = x + residual
-        return self._norm(residual), residual
+        # CPU: the kernel's reference (with a residual, the sum becomes the next residual).
+        return rms_norm_ref(x, self.weight, self.eps, residual)
 
     def _fused(
         self, x: torch.Tensor, residual: torch.Tensor | None
