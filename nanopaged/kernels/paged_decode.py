@@ -53,7 +53,10 @@ class DecodePlan:
 
     tables: torch.Tensor  # [batch * num_blocks] int32, the blocks the longest context needs
     num_tokens: int  # the longest context
-    context_lens: list[int] | None  # each sequence's length; None when all are num_tokens
+    # [batch, 1, 1, num_tokens] bool, which gathered slots are inside each context; None when
+    # every context is num_tokens long
+    valid: torch.Tensor | None
+    empty: torch.Tensor | None  # [batch] bool, contexts of length 0; None when there are none
 
 
 def decode_plan(
@@ -63,7 +66,12 @@ def decode_plan(
     lens = context_lens.tolist()
     max_len = max(lens, default=0)
     tables = block_tables[:, : -(-max_len // block_size)].flatten()
-    return DecodePlan(tables, max_len, None if min(lens, default=0) == max_len else lens)
+    if min(lens, default=0) == max_len:
+        return DecodePlan(tables, max_len, None, None)
+    lens_t = context_lens.to(torch.long)
+    valid = torch.arange(max_len, device=context_lens.device)[None, :] < lens_t[:, None]
+    empty = lens_t == 0
+    return DecodePlan(tables, max_len, valid[:, None, None, :], empty if min(lens) == 0 else None)
 
 
 def paged_decode_ref(
@@ -79,13 +87,13 @@ def paged_decode_ref(
 ) -> torch.Tensor:
     """Torch reference. q: [batch, num_heads, head_dim] -> [batch, num_heads, head_dim].
 
-    Also the CPU path: one gather of the blocks the longest context needs, then fused SDPA
-    in which each KV head's query group plays the part of the query rows, so GQA needs no
-    repeated K/V. Each sequence attends to exactly its own tokens (one call for the batch
-    when the lengths are equal), so stale slots past a context, even NaN, are never read and
-    no mask is built. An empty context yields zeros, as the kernel writes. `plan`, when
-    given, must be decode_plan(block_tables, context_lens, block_size). An fp8 cache's
-    values are multiplied by k_scale / v_scale ([1] fp32) in fp32.
+    Also the CPU path: one gather of the blocks the longest context needs, then one fused
+    SDPA call for the batch, in which each KV head's query group plays the part of the query
+    rows, so GQA needs no repeated K/V. Unequal lengths mask the slots past each context and
+    zero them first, so stale values, even NaN, never reach a sum. An empty context yields
+    zeros, as the kernel writes. `plan`, when given, must be decode_plan(block_tables,
+    context_lens, block_size). An fp8 cache's values are multiplied by k_scale / v_scale ([1]
+    fp32) in fp32.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -102,17 +110,16 @@ def paged_decode_ref(
     v = dequantize(v[:, : plan.num_tokens], v_scale).transpose(1, 2)
     # qg: [batch, num_kv_heads, group, head_dim]
     qg = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    if plan.context_lens is None:
+    if plan.valid is None:
         out = F.scaled_dot_product_attention(qg, k, v, scale=scale)
         return out.reshape(batch, num_heads, head_dim).to(q.dtype)
-    out = torch.zeros_like(q)
-    for i, n in enumerate(plan.context_lens):
-        if n:
-            o = F.scaled_dot_product_attention(
-                qg[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], scale=scale
-            )
-            out[i] = o.view(num_heads, head_dim)
-    return out
+    stale = ~plan.valid.transpose(-1, -2)  # [batch, 1, num_tokens, 1]
+    k, v = k.masked_fill(stale, 0.0), v.masked_fill(stale, 0.0)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.valid, scale=scale)
+    out = out.reshape(batch, num_heads, head_dim)
+    if plan.empty is not None:  # no key at all: softmax over nothing is NaN, the kernel's 0
+        out = out.masked_fill(plan.empty[:, None, None], 0.0)
+    return out.to(q.dtype)
 
 
 @functools.cache
