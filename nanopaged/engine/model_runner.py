@@ -488,14 +488,13 @@ class ModelRunner:
         input_ids: list[int] = []
         for seq, start, n in zip(seqs, starts, batch.num_scheduled_tokens):
             input_ids.extend(seq.token_ids[start : start + n])
-            if start + n > len(seq.token_ids):  # the last is a sample still on the device
-                input_ids.append(0)
+            if start + n > len(seq.token_ids):
+                input_ids.append(0)  # a sample still on the device, copied in there
         host = self._host_arrays(batch.num_scheduled_tokens, starts, self._tables.build(seqs))
         sampling_rows = [i for i in range(len(seqs)) if batch.samples(i)]
         last = np.cumsum(batch.num_scheduled_tokens) - 1
         ids_np = np.asarray(input_ids, dtype=np.int64)
         pending_dst, pending_src = self._pending_inputs(seqs, host["cu_seqlens_q"])
-        ids_np[pending_dst] = 0  # pending samples: the real ids are copied in on the device
         return StepInputs(
             input_ids=ids_np,
             positions=host["positions"],
