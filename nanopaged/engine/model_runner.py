@@ -413,6 +413,7 @@ class ModelRunner:
             cu_seqlens_q=put(cu),
             max_seqlen_q=int((cu[1:] - cu[:-1]).max()),
             max_context_len=int(host["context_lens"].max()),
+            has_prefix=bool((host["context_lens"] != cu[1:] - cu[:-1]).any()),
         )
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:

@@ -13,6 +13,7 @@ from nanopaged.kernels.store_kv import is_fp8
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # CPU-only installs use paged_prefill_ref
     triton = None
 
@@ -116,20 +117,61 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _unmasked_tiles(q, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr, full_end, n_offs,
+                        dims, head_off, stride_cb, stride_ct, qk_scale, BLOCK_SIZE: tl.constexpr,
+                        BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
+        # Cached keys [0, full_end) that every row of the tile sees, through the block table.
+        if PREFETCH == 0:
+            for n0 in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
+                tokens = n0 + n_offs
+                blocks = _table_lookup(table, tokens, full_end, BLOCK_SIZE)
+                k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, blocks, tokens, None, dims,
+                                     head_off, stride_cb, stride_ct, BLOCK_SIZE, False)
+                m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, None, qk_scale, False,
+                                                DOT_PRECISION)
+        elif PREFETCH == 1:
+            blocks = _table_lookup(table, n_offs, full_end, BLOCK_SIZE)
+            for n0 in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
+                tokens = n0 + n_offs
+                k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, blocks, tokens, None, dims,
+                                     head_off, stride_cb, stride_ct, BLOCK_SIZE, False)
+                blocks = _table_lookup(table, tokens + BLOCK_N, full_end, BLOCK_SIZE)
+                m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, None, qk_scale, False,
+                                                DOT_PRECISION)
+        else:
+            blocks = _table_lookup(table, n_offs, full_end, BLOCK_SIZE)
+            blocks_next = _table_lookup(table, n_offs + BLOCK_N, full_end, BLOCK_SIZE)
+            for n0 in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
+                tokens = n0 + n_offs
+                k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, blocks, tokens, None, dims,
+                                     head_off, stride_cb, stride_ct, BLOCK_SIZE, False)
+                blocks = blocks_next
+                blocks_next = _table_lookup(table, tokens + 2 * BLOCK_N, full_end, BLOCK_SIZE)
+                m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, None, qk_scale, False,
+                                                DOT_PRECISION)
+        return m_i, l_i, acc
+
+    @triton.jit
     def _paged_prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
-        out_ptr, k_scale_ptr, v_scale_ptr, qk_scale,
+        out_ptr, k_scale_ptr, v_scale_ptr, k_new_desc, v_new_desc, qk_scale,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         stride_cb, stride_ct, stride_ch,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
         PREFETCH: tl.constexpr, PACK_GQA: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr, FRESH: tl.constexpr,
+        PREFIX: tl.constexpr,
     ):
         # Grid: (head or KV head, sequence, query tile); the costliest (last) tiles launch first.
         # PACK_GQA: one program's BLOCK_M rows are (query, head) pairs of one KV head's group,
         # query-major, so each K/V tile serves the whole group.
         # IS_FP8: k_scale folds into the softmax scale, v_scale into the output.
+        # FRESH: this step's own keys (positions >= prefix) come from k_new/v_new, packed like
+        # q and read through TMA descriptors in whole contiguous tiles; only the cached prefix
+        # goes through the block table. PREFIX=False (FRESH only): no sequence has a cached
+        # prefix, so those loops are compiled out.
         seq = tl.program_id(1)
         m_block = tl.num_programs(2) - 1 - tl.program_id(2)
         q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -171,49 +213,60 @@ if triton is not None:
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         head_off = kv_head * stride_ch
         n_offs = tl.arange(0, BLOCK_N)
-        # Keys below the tile's first query position are visible to every row: no masks.
-        # PREFETCH looks block ids up 1 or 2 tiles ahead, so a tile's K/V loads never wait on
-        # their own table lookup (the software pipeliner alone does not hide it).
-        full_end = (prefix + first_row + 1) // BLOCK_N * BLOCK_N
-        if PREFETCH == 0:
-            for n0 in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
-                tokens = n0 + n_offs
-                blocks = _table_lookup(table, tokens, full_end, BLOCK_SIZE)
-                k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, blocks, tokens, None, dims,
-                                     head_off, stride_cb, stride_ct, BLOCK_SIZE, False)
+        # Keys below the tile's first query position are visible to every row: no masks
+        # (FRESH: the cached prefix's whole tiles). PREFETCH looks block ids up 1 or 2 tiles
+        # ahead, so a tile's K/V loads never wait on their own table lookup (the software
+        # pipeliner alone does not hide it).
+        if FRESH:
+            full_end = prefix // BLOCK_N * BLOCK_N
+        else:
+            full_end = (prefix + first_row + 1) // BLOCK_N * BLOCK_N
+        if PREFIX:
+            m_i, l_i, acc = _unmasked_tiles(q, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
+                                            full_end, n_offs, dims, head_off, stride_cb,
+                                            stride_ct, qk_scale, BLOCK_SIZE, BLOCK_N, NUM_STAGES,
+                                            PREFETCH, DOT_PRECISION)
+        if FRESH:
+            # The prefix's last partial tile, then this step's keys: key j (0-based in the
+            # chunk) is visible to query row r when j <= r. A tile loaded whole may reach into
+            # the next sequence's rows (zeros past the last row): the mask drops them.
+            if PREFIX:
+                for n0 in tl.range(full_end, prefix, BLOCK_N):
+                    tokens = n0 + n_offs
+                    tok_mask = tokens < prefix
+                    tail_blocks = _table_lookup(table, tokens, prefix, BLOCK_SIZE)
+                    k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, tail_blocks, tokens,
+                                         tok_mask, dims, head_off, stride_cb, stride_ct,
+                                         BLOCK_SIZE, True)
+                    visible = tok_mask[None, :] & (rows >= 0)[:, None]
+                    m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, visible, qk_scale,
+                                                    True, DOT_PRECISION)
+            fresh_full = (first_row + 1) // BLOCK_N * BLOCK_N
+            col = kv_head * HEAD_DIM
+            for n0 in tl.range(0, fresh_full, BLOCK_N, num_stages=NUM_STAGES):
+                k = k_new_desc.load([q_start + n0, col])
+                v = v_new_desc.load([q_start + n0, col])
                 m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, None, qk_scale, False,
                                                 DOT_PRECISION)
-        elif PREFETCH == 1:
-            blocks = _table_lookup(table, n_offs, full_end, BLOCK_SIZE)
-            for n0 in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
+            for n0 in tl.range(fresh_full, rows_end, BLOCK_N):
                 tokens = n0 + n_offs
-                k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, blocks, tokens, None, dims,
-                                     head_off, stride_cb, stride_ct, BLOCK_SIZE, False)
-                blocks = _table_lookup(table, tokens + BLOCK_N, full_end, BLOCK_SIZE)
-                m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, None, qk_scale, False,
+                k = k_new_desc.load([q_start + n0, col])
+                v = v_new_desc.load([q_start + n0, col])
+                visible = (tokens[None, :] <= rows[:, None]) & (tokens < rows_end)[None, :]
+                m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, visible, qk_scale, True,
                                                 DOT_PRECISION)
         else:
-            blocks = _table_lookup(table, n_offs, full_end, BLOCK_SIZE)
-            blocks_next = _table_lookup(table, n_offs + BLOCK_N, full_end, BLOCK_SIZE)
-            for n0 in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
+            # The diagonal: causal mask, and no read past this tile's last query position.
+            kv_end = prefix + rows_end
+            for n0 in tl.range(full_end, kv_end, BLOCK_N):
                 tokens = n0 + n_offs
-                k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, blocks, tokens, None, dims,
-                                     head_off, stride_cb, stride_ct, BLOCK_SIZE, False)
-                blocks = blocks_next
-                blocks_next = _table_lookup(table, tokens + 2 * BLOCK_N, full_end, BLOCK_SIZE)
-                m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, None, qk_scale, False,
+                tok_mask = tokens < kv_end
+                diag_blocks = _table_lookup(table, tokens, kv_end, BLOCK_SIZE)
+                k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, diag_blocks, tokens, tok_mask,
+                                     dims, head_off, stride_cb, stride_ct, BLOCK_SIZE, True)
+                visible = (tokens[None, :] <= q_pos[:, None]) & tok_mask[None, :]
+                m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, visible, qk_scale, True,
                                                 DOT_PRECISION)
-        # The diagonal: causal mask, and no read past this tile's last query position.
-        kv_end = prefix + rows_end
-        for n0 in tl.range(full_end, kv_end, BLOCK_N):
-            tokens = n0 + n_offs
-            tok_mask = tokens < kv_end
-            diag_blocks = _table_lookup(table, tokens, kv_end, BLOCK_SIZE)
-            k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, diag_blocks, tokens, tok_mask, dims,
-                                 head_off, stride_cb, stride_ct, BLOCK_SIZE, True)
-            visible = (tokens[None, :] <= q_pos[:, None]) & tok_mask[None, :]
-            m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, visible, qk_scale, True,
-                                            DOT_PRECISION)
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         if IS_FP8:
             out = out * tl.load(v_scale_ptr)
@@ -255,6 +308,9 @@ def paged_prefill_launch(
     pack_gqa: bool = False,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    has_prefix: bool = True,
 ) -> torch.Tensor:
     """paged_prefill with every launch choice explicit (tests and the benchmark sweep use it)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -264,21 +320,41 @@ def paged_prefill_launch(
     if num_tokens == 0 or batch == 0 or max_seqlen_q == 0:
         return out
     group = num_heads // num_kv_heads
+    fresh = k_new is not None and not is_fp8(k_cache.dtype)
+    k_desc = v_desc = None
+    if fresh:
+        assert v_new is not None and k_new.shape == v_new.shape == (num_tokens, num_kv_heads,
+                                                                    head_dim), k_new.shape
+        assert k_new.dtype == v_new.dtype == q.dtype, (k_new.dtype, q.dtype)
+        k_desc, v_desc = fresh_descriptor(k_new, block_n), fresh_descriptor(v_new, block_n)
     if pack_gqa:
         grid = (num_kv_heads, batch, triton.cdiv(max_seqlen_q * group, block_m))
     else:
         grid = (num_heads, batch, triton.cdiv(max_seqlen_q, block_m))
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, k_scale, v_scale,
-        scale * math.log2(math.e),
+        k_desc, v_desc, scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, PREFETCH=prefetch,
         PACK_GQA=pack_gqa, DOT_PRECISION=dot_precision(q.dtype), IS_FP8=is_fp8(k_cache.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        FRESH=fresh, PREFIX=has_prefix or not fresh, num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def fresh_descriptor(x: torch.Tensor, block_n: int) -> TensorDescriptor:
+    """A TMA descriptor over this step's K or V [num_tokens, num_kv_heads, head_dim] as rows of
+    num_kv_heads * head_dim, loaded in [block_n, head_dim] tiles (a view of the packed qkv
+    projection is used in place when its strides allow)."""
+    num_tokens, num_kv_heads, head_dim = x.shape
+    size = x.element_size()
+    if (x.stride(2) != 1 or x.stride(1) != head_dim or (x.stride(0) * size) % 16
+            or x.data_ptr() % 16):
+        x = x.contiguous()
+    return TensorDescriptor(x, shape=[num_tokens, num_kv_heads * head_dim],
+                            strides=[x.stride(0), 1], block_shape=[block_n, head_dim])
 
 
 def paged_prefill(
@@ -293,6 +369,9 @@ def paged_prefill(
     max_context_len: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    has_prefix: bool = True,
 ) -> torch.Tensor:
     """Causal varlen attention over paged K/V; q: [num_tokens, num_heads, head_dim] -> same.
 
@@ -301,6 +380,12 @@ def paged_prefill(
     power of two >= 8, fp16/bf16/fp32 (fp32 exact). max_seqlen_q bounds every q_len; the grid
     comes from host ints only. max_context_len is accepted for symmetry and unused. An fp8
     cache is dequantized in registers with k_scale / v_scale ([1] fp32 on the device).
+    k_new / v_new: this step's K/V ([num_tokens, num_kv_heads, head_dim], packed like q, the
+    values just stored at the last q_len positions): the kernel reads them contiguously
+    instead of through the block table, the same values in the same order of keys. An 8-bit
+    cache ignores them, so prefill sees the stored 8-bit values as decode does. With them,
+    has_prefix=False (no sequence has cached tokens before its queries: every context_len
+    equals its q_len) compiles the prefix loops out.
     """
     check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.is_contiguous()
@@ -308,4 +393,5 @@ def paged_prefill(
     assert cu_seqlens_q.device == q.device
     config = prefill_config(q.shape[2], q.dtype, max_seqlen_q)
     return paged_prefill_launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                                scale, max_seqlen_q, *config, k_scale=k_scale, v_scale=v_scale)
+                                scale, max_seqlen_q, *config, k_scale=k_scale, v_scale=v_scale,
+                                k_new=k_new, v_new=v_new, has_prefix=has_prefix)

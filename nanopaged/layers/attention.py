@@ -20,6 +20,9 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [batch + 1] int32
     max_seqlen_q: int
     max_context_len: int
+    # Whether any sequence has cached tokens before this step's queries (prefill kernels
+    # compile their prefix loops out when none has).
+    has_prefix: bool = True
     # CPU decode: the gather plan shared by every layer of the step, built by the first.
     decode_plan: paged_decode.DecodePlan | None = None
 
@@ -85,6 +88,9 @@ class Attention(nn.Module):
                 max_seqlen_q=meta.max_seqlen_q,
                 max_context_len=meta.max_context_len,
                 **scales,
+                k_new=k,
+                v_new=v,
+                has_prefix=meta.has_prefix,
             )
         return paged_prefill.paged_prefill_ref(
             *args, meta.cu_seqlens_q, meta.context_lens, self.scale, **scales

@@ -45,9 +45,11 @@ def test_fp8_cache_holds_twice_the_blocks_of_bf16(llama):
 def test_fp8_names_pick_the_formats(llama):
     outs = {}
     for kv, dtype in (("fp8", torch.float8_e4m3fn), ("fp8_e4m3", torch.float8_e4m3fn),
-                      ("fp8_e5m2", torch.float8_e5m2), ("auto", torch.float32)):  # fmt: skip
+                      ("fp8_e5m2", torch.float8_e5m2), ("auto", None)):  # fmt: skip
         llm = LLM(str(llama), kv_cache_dtype=kv, kv_cache_memory=1 << 20, max_model_len=96)
-        assert llm.runner.kv_cache.dtype == dtype
+        # "auto": the model's dtype (fp32 on CPU, bf16 on CUDA for this fp32 checkpoint).
+        model_dtype = next(llm.runner.model.parameters()).dtype
+        assert llm.runner.kv_cache.dtype == (dtype or model_dtype)
         assert (llm.runner.kv_scales is None) == (kv == "auto")
         outs[kv] = [o.outputs[0].token_ids for o in llm.generate(
             _prompts([5, 40], seed=1), GREEDY, use_tqdm=False)]  # fmt: skip

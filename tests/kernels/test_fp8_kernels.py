@@ -37,9 +37,11 @@ def store_case(fp8: torch.dtype, num_tokens: int, num_kv_heads: int, head_dim: i
     kv = make_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, f32).to(fp8)
     key, value = packed_qkv(num_tokens, 2 * num_kv_heads, num_kv_heads, head_dim, dtype)
     key[0, 0, :4] = torch.tensor([1e6, -1e6, 3e-7, 0.0])  # clamped, subnormal, zero
-    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
+    # Distinct slots (a slot written twice in one call has no defined winner); token 0 kept.
+    perm = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
+    slots = perm.clone()
     slots[torch.rand(num_tokens, device=DEVICE) < 0.25] = -1
-    slots[0] = 3
+    slots[0] = perm[0]
     k_scale, v_scale = scales(0.05, 0.003)
     out, ref = kv.clone(), kv.clone()
     store_kv(key, value, out[0, 1], out[1, 1], slots, k_scale, v_scale)
@@ -47,11 +49,15 @@ def store_case(fp8: torch.dtype, num_tokens: int, num_kv_heads: int, head_dim: i
     assert torch.equal(as_bytes(out), as_bytes(ref))
     # The stored values are x / scale in 8 bits: clamped to the finite range, never inf.
     fmax = torch.finfo(fp8).max
-    stored = ref[0, 1].view(-1, num_kv_heads, head_dim)[3, 0, :4].float()
+    stored = ref[0, 1].view(-1, num_kv_heads, head_dim)[slots[0], 0, :4].float()
     assert stored.tolist()[:2] == [fmax, -fmax] and stored[3] == 0
     back = dequantize(ref[1, 1].view(-1, num_kv_heads, head_dim)[slots[slots >= 0]], v_scale)
-    rel = (back - value[slots >= 0].float()).abs() / value[slots >= 0].float().abs()
-    assert rel[value[slots >= 0].abs() > 0.1].max() <= {E4M3: 2**-4, E5M2: 2**-3}[fp8] + 1e-6
+    stored_v = value[slots >= 0].float()
+    rel = (back - stored_v).abs() / stored_v.abs()
+    # Inside the format's range (past it values clamp), rounding is at most half a step.
+    in_range = (stored_v.abs() > 0.1) & (stored_v.abs() <= v_scale * fmax)
+    assert in_range.sum() > 1000
+    assert rel[in_range].max() <= {E4M3: 2**-4, E5M2: 2**-3}[fp8] + 1e-6
 
 
 @pytest.mark.parametrize("fp8", [E4M3, E5M2])

@@ -109,3 +109,76 @@ def test_prefill_gpu_block_sizes(dtype, block_size, head_dim):
     inputs, max_q = make_inputs(spec, block_size, 2, head_dim, dtype, 2)
     poison_allocator(inputs[0].numel(), dtype)
     check(inputs, paged_prefill(*inputs, 0.1, max_q), dtype)
+
+
+def fresh_inputs(inputs, spec):
+    """This step's K/V taken out of the cache (packed like q, as a strided view of a wider
+    projection), after which the cache's copies of them are poisoned with NaN: a kernel that
+    read them from the cache instead of k_new/v_new would return NaN."""
+    q, k_cache, v_cache, block_tables, cu, context_lens = inputs
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    ref = paged_prefill_ref(*inputs, 0.1)
+    slots = []
+    for i, (prefix, q_len) in enumerate(spec):
+        pos = torch.arange(prefix, prefix + q_len, device=DEVICE)
+        slots.append(block_tables[i, pos // block_size].long() * block_size + pos % block_size)
+    slots = torch.cat(slots)
+    wide = torch.randn(q.shape[0], 3 * num_kv_heads + 1, head_dim, device=DEVICE).to(q.dtype)
+    k_new, v_new = wide[:, 1 : 1 + num_kv_heads], wide[:, 1 + num_kv_heads : 1 + 2 * num_kv_heads]
+    for new, cache in ((k_new, k_cache), (v_new, v_cache)):
+        flat = cache.view(-1, num_kv_heads, head_dim)
+        new.copy_(flat[slots])
+        flat[slots] = float("nan")
+    return k_new, v_new, ref
+
+
+def check_fresh(out, ref, dtype):
+    assert not out.isnan().any()
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("block_size,group,head_dim,dtype,num_kv_heads",
+                         [(16, 2, 128, f16, 1), (128, 1, 64, f16, 2), (16, 3, 64, f32, 2)])
+@pytest.mark.parametrize("variant", [(1, False), (2, True)])
+def test_prefill_fresh_kv(block_size, group, head_dim, dtype, num_kv_heads, variant):
+    # This step's keys from k_new/v_new, the prefix from the cache: 16x16 tiles put whole
+    # and partial prefix tiles, whole fresh tiles and diagonals in every sequence.
+    spec = mixed_spec(block_size)
+    inputs, max_q = make_inputs(spec, block_size, group, head_dim, dtype, num_kv_heads)
+    k_new, v_new, ref = fresh_inputs(inputs, spec)
+    out = paged_prefill_launch(*inputs, 0.1, max_q, 16, 16, 4, 2, *variant,
+                               k_new=k_new, v_new=v_new)
+    check_fresh(out, ref, dtype)
+
+
+@pytest.mark.parametrize("variant", [(1, False), (0, True)])
+def test_prefill_fresh_kv_no_prefix(variant):
+    # has_prefix=False compiles the cached-prefix loops out: right when every context is just
+    # this step's tokens.
+    spec = [(0, 70), (0, 5), (0, 1), (0, 0), (0, 33)]
+    inputs, max_q = make_inputs(spec, 16, 2, 64, f32, 2)
+    k_new, v_new, ref = fresh_inputs(inputs, spec)
+    out = paged_prefill_launch(*inputs, 0.1, max_q, 16, 16, 4, 2, *variant,
+                               k_new=k_new, v_new=v_new, has_prefix=False)
+    check_fresh(out, ref, f32)
+
+
+def test_prefill_fresh_kv_default_config():
+    spec = [(0, 70), (33, 5), (0, 1), (20, 0), (64, 130)]
+    inputs, max_q = make_inputs(spec, 16, 2, 64, f16, 2)
+    k_new, v_new, ref = fresh_inputs(inputs, spec)
+    out = paged_prefill(*inputs, 0.1, max_q, k_new=k_new, v_new=v_new)
+    check_fresh(out, ref, f16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [bf16, f16, f32])
+@pytest.mark.parametrize("head_dim", [32, 128, 256])
+def test_prefill_fresh_kv_gpu(dtype, head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    prefixes = torch.randint(0, 1025, (10,), generator=gen).tolist()
+    q_lens = torch.randint(1, 1025, (10,), generator=gen).tolist()
+    spec = [*zip(prefixes, q_lens, strict=True), (0, 2048), (100, 0), (3000, 1), (0, 300)]
+    inputs, max_q = make_inputs(spec, 16, 2, head_dim, dtype, 4)
+    k_new, v_new, ref = fresh_inputs(inputs, spec)
+    check_fresh(paged_prefill(*inputs, 0.1, max_q, k_new=k_new, v_new=v_new), ref, dtype)
