@@ -406,14 +406,23 @@ class ModelRunner:
             return torch.from_numpy(a).to(dev, non_blocking=True)
 
         cu = host["cu_seqlens_q"]
+        q_lens = cu[1:] - cu[:-1]
+        context_lens = host["context_lens"]
+        max_seqlen_q = int(q_lens.max())
+        # A mixed step's leading decode rows (the scheduler puts them first) go to the decode
+        # kernel; the prefill kernel takes the rest with its own cu_seqlens.
+        nd = int(np.argmax(q_lens != 1)) if max_seqlen_q > 1 else 0
+        cu_prefill = put(cu[nd:] - cu[nd]) if nd else None
         return put(host["positions"]), AttentionMetadata(
             slot_mapping=put(host["slots"]),
             block_tables=put(host["tables"]),
-            context_lens=put(host["context_lens"]),
+            context_lens=put(context_lens),
             cu_seqlens_q=put(cu),
-            max_seqlen_q=int((cu[1:] - cu[:-1]).max()),
-            max_context_len=int(host["context_lens"].max()),
-            has_prefix=bool((host["context_lens"] != cu[1:] - cu[:-1]).any()),
+            max_seqlen_q=max_seqlen_q,
+            max_context_len=int(context_lens.max()),
+            has_prefix=bool((context_lens[nd:] != q_lens[nd:]).any()),
+            num_decodes=nd,
+            cu_seqlens_prefill=cu_prefill,
         )
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:

@@ -40,6 +40,19 @@ class ScheduledBatch:
         return seq.num_computed_tokens + self.num_scheduled_tokens[i] == len(seq)
 
 
+def decodes_first(batch: ScheduledBatch) -> None:
+    """Reorder a step that mixes decodes with prefill chunks so its one-token rows come first
+    (stable on each side): the GPU runs them through the decode kernel as one slice. Every
+    later use of the step goes by this order (its sequences, samples and outputs)."""
+    counts = batch.num_scheduled_tokens
+    order = [i for i, n in enumerate(counts) if n == 1]
+    if not order or len(order) == len(counts) or order[-1] == len(order) - 1:
+        return  # nothing to move: no decode row, no prefill row, or decodes already first
+    order += [i for i, n in enumerate(counts) if n != 1]
+    batch.seqs = [batch.seqs[i] for i in order]
+    batch.num_scheduled_tokens = [counts[i] for i in order]
+
+
 @dataclass
 class StepOutput:
     """What postprocess changed: sequences that got tokens, and those that finished."""
@@ -233,6 +246,8 @@ class Scheduler:
             self.running.append(group)
             budget -= num_tokens
         self.num_steps += bool(batch.seqs)
+        if batch.total_tokens != len(batch.seqs):
+            decodes_first(batch)
         return batch
 
     def _admit(self, group: SequenceGroup, budget: int, batch: ScheduledBatch) -> int | None:

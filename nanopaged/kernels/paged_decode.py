@@ -135,6 +135,16 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def new_output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The kernels' output: a fresh tensor like q, or the caller's (same shape and dtype, each
+    head's row contiguous)."""
+    if out is None:
+        return torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+    assert out.stride(-1) == 1, out.stride()
+    return out
+
+
 def check_paged_inputs(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -172,7 +182,10 @@ def check_paged_inputs(
 
 if triton is not None:
 
-    @triton.jit
+    # Step-varying table pointers and ints are not specialized (16-byte alignment, multiples
+    # of 16): a mixed step's slices and each step's table width would compile new variants.
+    @triton.jit(do_not_specialize=["block_tables_ptr", "context_lens_ptr", "tokens_per_split",
+                                   "stride_bt"])
     def _paged_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
         out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
@@ -264,7 +277,7 @@ if triton is not None:
             tl.store(out_ptr + seq64 * stride_ob + heads[:, None] * stride_oh + dims[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["context_lens_ptr", "tokens_per_split", "num_splits"])
     def _merge_splits_kernel(
         out_ptr, part_out_ptr, part_lse_ptr, context_lens_ptr,
         tokens_per_split, num_splits, stride_ob, stride_oh,
@@ -324,12 +337,13 @@ def paged_decode_launch(
     prefetch: bool = True,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_decode with every launch choice explicit (tests and the benchmark sweep use it)."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
+    out = new_output(q, out)
     if batch == 0:
         return out
     # Splits cover max_context_len in whole tiles; past it, split s >= num_splits never runs.
@@ -372,6 +386,7 @@ def paged_decode(
     max_context_len: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over paged K/V; q: [batch, num_heads, head_dim] -> same shape and dtype.
 
@@ -380,7 +395,8 @@ def paged_decode(
     max_context_len (an upper bound on every context_len) or else the block-table width, so
     the call can be captured in a CUDA graph. An empty context yields zeros. An fp8 cache
     (e4m3 or e5m2) is dequantized in registers with k_scale / v_scale ([1] fp32 on the device,
-    read by the kernel, so graphs see later changes).
+    read by the kernel, so graphs see later changes). out: where to write (q's shape and
+    dtype, rows of head_dim contiguous), e.g. a slice of a mixed step's output.
     """
     check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     batch, num_heads, head_dim = q.shape
@@ -392,4 +408,4 @@ def paged_decode(
                                    num_sms(q.device))
     return paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale,
                                max_context_len, num_splits, block_n, num_warps, num_stages,
-                               k_scale=k_scale, v_scale=v_scale)
+                               k_scale=k_scale, v_scale=v_scale, out=out)

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from nanopaged.kernels.paged_decode import check_paged_inputs, dot_precision, gather_kv
+from nanopaged.kernels.paged_decode import check_paged_inputs, dot_precision, gather_kv, new_output
 from nanopaged.kernels.store_kv import is_fp8
 
 try:
@@ -152,7 +152,9 @@ if triton is not None:
                                                 DOT_PRECISION)
         return m_i, l_i, acc
 
-    @triton.jit
+    # As the decode kernel: step-varying table pointers and widths are not specialized.
+    @triton.jit(do_not_specialize=["block_tables_ptr", "cu_seqlens_q_ptr", "context_lens_ptr",
+                                   "stride_bt"])
     def _paged_prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
         out_ptr, k_scale_ptr, v_scale_ptr, k_new_desc, v_new_desc, qk_scale,
@@ -311,12 +313,13 @@ def paged_prefill_launch(
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
     has_prefix: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_prefill with every launch choice explicit (tests and the benchmark sweep use it)."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     batch = context_lens.shape[0]
-    out = torch.empty_like(q)
+    out = new_output(q, out)
     if num_tokens == 0 or batch == 0 or max_seqlen_q == 0:
         return out
     group = num_heads // num_kv_heads
@@ -372,6 +375,7 @@ def paged_prefill(
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
     has_prefix: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention over paged K/V; q: [num_tokens, num_heads, head_dim] -> same.
 
@@ -385,7 +389,7 @@ def paged_prefill(
     instead of through the block table, the same values in the same order of keys. An 8-bit
     cache ignores them, so prefill sees the stored 8-bit values as decode does. With them,
     has_prefix=False (no sequence has cached tokens before its queries: every context_len
-    equals its q_len) compiles the prefix loops out.
+    equals its q_len) compiles the prefix loops out. out: as paged_decode's.
     """
     check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.is_contiguous()
@@ -394,4 +398,4 @@ def paged_prefill(
     config = prefill_config(q.shape[2], q.dtype, max_seqlen_q)
     return paged_prefill_launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                                 scale, max_seqlen_q, *config, k_scale=k_scale, v_scale=v_scale,
-                                k_new=k_new, v_new=v_new, has_prefix=has_prefix)
+                                k_new=k_new, v_new=v_new, has_prefix=has_prefix, out=out)

@@ -320,7 +320,10 @@ if triton is not None:
         raw_token = tl.load(row_ptr + token).to(tl.float32)
         tl.store(logprobs_ptr + row, raw_token - lse)
 
-    @triton.jit
+    # The batch size and the per-row settings (slices of per-slot tensors) change from step
+    # to step: not specialized, so a new batch size never compiles a new variant.
+    @triton.jit(do_not_specialize=["temps_ptr", "top_ks_ptr", "top_ps_ptr", "min_ps_ptr",
+                                   "seeds_ptr", "offsets_ptr", "batch"])
     def _sample_kernel(
         logits_ptr, temps_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr, offsets_ptr,
         tokens_ptr, logprobs_ptr, top_vals_ptr, top_ids_ptr, lse_ptr, allowed_ptr,

@@ -20,9 +20,15 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [batch + 1] int32
     max_seqlen_q: int
     max_context_len: int
-    # Whether any sequence has cached tokens before this step's queries (prefill kernels
-    # compile their prefix loops out when none has).
+    # Whether any sequence the prefill kernel runs has cached tokens before this step's
+    # queries (the kernel compiles its prefix loops out when none has).
     has_prefix: bool = True
+    # A step mixing decodes and prefill chunks lists its decode rows (q_len 1) first (see
+    # Scheduler.schedule): these leading sequences go through the decode kernel, the rest
+    # through the prefill kernel with cu_seqlens_prefill (cu_seqlens_q[num_decodes:] shifted
+    # to start at 0). 0: the prefill kernel runs every row.
+    num_decodes: int = 0
+    cu_seqlens_prefill: torch.Tensor | None = None
     # CPU decode: the gather plan shared by every layer of the step, built by the first.
     decode_plan: paged_decode.DecodePlan | None = None
 
@@ -60,18 +66,10 @@ class Attention(nn.Module):
         scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         if use_triton:
             store_kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
-        else:
-            store_kv.store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
+            return gpu_attention(q, k, v, k_cache, v_cache, meta, self.scale, **scales)
+        store_kv.store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         args = (q, k_cache, v_cache, meta.block_tables)
         if meta.is_decode:
-            if use_triton:
-                return paged_decode.paged_decode(
-                    *args,
-                    meta.context_lens,
-                    self.scale,
-                    max_context_len=meta.max_context_len,
-                    **scales,
-                )
             if meta.decode_plan is None:
                 meta.decode_plan = paged_decode.decode_plan(
                     meta.block_tables, meta.context_lens, k_cache.shape[1]
@@ -79,19 +77,45 @@ class Attention(nn.Module):
             return paged_decode.paged_decode_ref(
                 *args, meta.context_lens, self.scale, plan=meta.decode_plan, **scales
             )
-        if use_triton:
-            return paged_prefill.paged_prefill(
-                *args,
-                meta.cu_seqlens_q,
-                meta.context_lens,
-                self.scale,
-                max_seqlen_q=meta.max_seqlen_q,
-                max_context_len=meta.max_context_len,
-                **scales,
-                k_new=k,
-                v_new=v,
-                has_prefix=meta.has_prefix,
-            )
         return paged_prefill.paged_prefill_ref(
             *args, meta.cu_seqlens_q, meta.context_lens, self.scale, **scales
         )
+
+
+def gpu_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The Triton kernels over a step whose K/V are already stored: decode rows through the
+    decode kernel, prefill chunks through the prefill kernel (reading this step's k/v
+    directly), a mixed step's leading decode rows split off into the decode kernel."""
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    if meta.is_decode:
+        return paged_decode.paged_decode(
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+            max_context_len=meta.max_context_len, **scales,
+        )  # fmt: skip
+    nd = meta.num_decodes
+    out = None
+    cu_seqlens = meta.cu_seqlens_q
+    if nd:
+        out = torch.empty_like(q)
+        paged_decode.paged_decode(
+            q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], scale,
+            max_context_len=meta.max_context_len, out=out[:nd], **scales,
+        )  # fmt: skip
+        assert meta.cu_seqlens_prefill is not None
+        cu_seqlens = meta.cu_seqlens_prefill
+    prefill = paged_prefill.paged_prefill(
+        q[nd:], k_cache, v_cache, meta.block_tables[nd:], cu_seqlens, meta.context_lens[nd:],
+        scale, max_seqlen_q=meta.max_seqlen_q, k_new=k[nd:], v_new=v[nd:],
+        has_prefix=meta.has_prefix, out=None if out is None else out[nd:], **scales,
+    )  # fmt: skip
+    return prefill if out is None else out

@@ -122,3 +122,39 @@ def test_abort_all_frees_everything():
     dropped = s.abort_all()
     assert len(dropped) == 3 and not s.has_unfinished()
     assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
+
+
+def test_mixed_step_lists_decodes_first():
+    # A running chunk takes the rest of the budget, so later rows are new prompts: a step's
+    # decode rows already come first (the GPU splits them off into the decode kernel).
+    s = _sched(budget=20)
+    a, b, c = _seq(3), _seq(30, start=100), _seq(2, start=200)
+    s.add(a)
+    s.add(b)
+    s.add(c)
+    batch = _step(s, token=7)  # a (3) and b's first 17 tokens; c waits for budget
+    assert batch.seqs == [a, b] and batch.num_scheduled_tokens == [3, 17]
+    d = _seq(5, start=300)
+    s.add(d)
+    batch = _step(s, token=8)  # a decodes, b's last 13, then c (2) and d's first 4
+    assert batch.seqs == [a, b, c, d] and batch.num_scheduled_tokens == [1, 13, 2, 4]
+    batch = _step(s, token=9)  # a, b, c decode; d's last token is a one-token chunk
+    assert batch.seqs == [a, b, c, d] and batch.num_scheduled_tokens == [1, 1, 1, 1]
+    e = _seq(6, start=400)
+    s.add(e)
+    batch = _step(s, token=5)
+    assert batch.seqs == [a, b, c, d, e] and batch.num_scheduled_tokens == [1, 1, 1, 1, 6]
+
+
+def test_decodes_first_moves_only_what_it_must():
+    from nanopaged.engine.scheduler import ScheduledBatch, decodes_first
+
+    seqs = [_seq(2, start=10 * i) for i in range(4)]
+    for counts in ([1, 1, 5, 3], [5, 3, 2, 4], [1, 1, 1, 1]):
+        batch = ScheduledBatch(seqs=list(seqs), num_scheduled_tokens=list(counts))
+        decodes_first(batch)
+        assert batch.seqs == seqs and batch.num_scheduled_tokens == counts
+    batch = ScheduledBatch(seqs=list(seqs), num_scheduled_tokens=[4, 1, 7, 1])
+    decodes_first(batch)
+    assert batch.seqs == [seqs[1], seqs[3], seqs[0], seqs[2]]
+    assert batch.num_scheduled_tokens == [1, 1, 4, 7]
