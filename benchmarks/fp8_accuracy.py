@@ -67,6 +67,23 @@ def kv_maxima(llm: LLM, sequences: list[list[int]]) -> torch.Tensor:
     return amax
 
 
+def rounded_kv(llm: LLM, dtype: torch.dtype, sequences: list[list[int]]):
+    """teacher_forced with every K/V value rounded to dtype before it is stored: what a KV
+    cache of that dtype gives an fp32 model (a reference for what 8-bit K/V cost)."""
+    layers = llm.runner.attention_layers
+
+    def round_kv(module, args):
+        q, k, v, meta = args
+        return q, k.to(dtype).to(k.dtype), v.to(dtype).to(v.dtype), meta
+
+    handles = [m.register_forward_pre_hook(round_kv) for m in layers]
+    try:
+        return teacher_forced(llm, sequences)
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def free_memory() -> None:
     """Collect a deleted LLM now, so the next one sizes its cache with its memory free."""
     gc.collect()
@@ -84,20 +101,26 @@ def compare(make_llm, sequences: list[list[int]], scales: str) -> dict:
     t = time.perf_counter()
     base_top1, base_lp = teacher_forced(base, sequences)
     amax = kv_maxima(base, sequences) if scales == "calibrated" else None
+    # An fp32 model: also K/V rounded to bf16, the 16-bit cache's own cost, as a yardstick.
+    model_dtype = next(base.runner.model.parameters()).dtype
+    bf16 = rounded_kv(base, torch.bfloat16, sequences) if model_dtype == torch.float32 else None
     del base
     free_memory()
     ppl = perplexity(base_lp)
     result = {"positions": len(base_top1), "scales": scales, "perplexity_auto": ppl,
               "seconds_auto": time.perf_counter() - t, "formats": {}}  # fmt: skip
     print(f"{len(base_top1)} positions; KV in the model's dtype: perplexity {ppl:.4f}", flush=True)
-    for name, dtype in FORMATS.items():
-        llm = make_llm(name)
-        if amax is not None:
-            # 2x headroom over the observed maxima, for text the calibration did not see.
-            llm.runner.kv_scales.copy_(amax * 2 / torch.finfo(dtype).max)
-        top1, lp = teacher_forced(llm, sequences)
-        del llm
-        free_memory()
+    for name, dtype in [*([("bf16 (K/V rounded)", None)] if bf16 else []), *FORMATS.items()]:
+        if dtype is None:
+            top1, lp = bf16
+        else:
+            llm = make_llm(name)
+            if amax is not None:
+                # 2x headroom over the observed maxima, for text the calibration did not see.
+                llm.runner.kv_scales.copy_(amax * 2 / torch.finfo(dtype).max)
+            top1, lp = teacher_forced(llm, sequences)
+            del llm
+            free_memory()
         agree = sum(a == b for a, b in zip(top1, base_top1)) / len(top1)
         row = {"top1_agreement": agree, "perplexity": perplexity(lp),
                "perplexity_change": perplexity(lp) / ppl - 1}  # fmt: skip
