@@ -28,6 +28,7 @@ from nanopaged.engine.step_inputs import StepInputs
 from nanopaged.engine.swap import allocate_cpu_kv_cache, run_block_ops
 from nanopaged.kernels.store_kv import is_fp8
 from nanopaged.layers.attention import Attention, AttentionMetadata
+from nanopaged.layers.backend import backend_for, bind_backend
 from nanopaged.layers.cpu_gemm import pack_model
 from nanopaged.layers.sampler import SamplingTensors, sample
 from nanopaged.loader import load_dummy_weights, load_weights
@@ -182,6 +183,9 @@ class ModelRunner:
         else:
             load_weights(self.model, model_dir)
         self.model.eval()
+        # Triton kernels on CUDA, their torch references elsewhere: chosen here, once.
+        self.backend = backend_for(device)
+        bind_backend(self.model, self.backend)
         pack_model(self.model)  # CPU bf16 only: oneDNN-packed GEMM weights
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # kv_scales: [2, num_layers] fp32, K and V scale of each layer (an fp8 cache holds

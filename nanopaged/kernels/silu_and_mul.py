@@ -13,8 +13,9 @@ except ImportError:  # CPU-only installs use silu_and_mul_ref
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """Torch reference: x [num_tokens, 2 * d] -> silu(x[:, :d]) * x[:, d:] in fp32, rounded once."""
-    gate, up = x.float().chunk(2, dim=-1)
+    """Torch reference: x [num_tokens, 2 * d] -> silu(x[:, :d]) * x[:, d:] in fp32 (fp64 stays
+    fp64), rounded once."""
+    gate, up = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
     return (F.silu(gate) * up).to(x.dtype)
 
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from nanopaged.kernels import paged_decode, paged_prefill, store_kv
+from nanopaged.layers.backend import UsesBackend
 
 
 @dataclass
@@ -37,7 +38,7 @@ class AttentionMetadata:
         return self.max_seqlen_q == 1
 
 
-class Attention(nn.Module):
+class Attention(UsesBackend, nn.Module):
     """Multi-head attention with grouped KV heads over one layer's slice of the KV cache.
 
     k_cache/v_cache are views of the engine's one KV tensor, bound by the ModelRunner once it
@@ -61,10 +62,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         assert self.k_cache is not None, "KV cache not bound"
-        use_triton = q.is_cuda
         k_cache, v_cache = self.k_cache, self.v_cache
         scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
-        if use_triton:
+        if self.backend.triton:
             store_kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
             return gpu_attention(q, k, v, k_cache, v_cache, meta, self.scale, **scales)
         store_kv.store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping, **scales)

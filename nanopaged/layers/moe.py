@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanopaged.distributed.parallel import TensorParallel
-from nanopaged.kernels.fused_moe import fused_moe, fused_moe_ref
 from nanopaged.layers.activation import SiluAndMul
+from nanopaged.layers.backend import UsesBackend
 from nanopaged.layers.linear import (
     SINGLE,
     Linear,
@@ -31,7 +31,7 @@ EXPERT_PARAMS = {
 }
 
 
-class MoEExperts(nn.Module):
+class MoEExperts(UsesBackend, nn.Module):
     """num_experts SiLU-gated MLPs stacked: w13 [E, 2 * I/tp, H] ([gate_r; up_r] per expert)
     and w2 [E, H, I/tp]; forward returns this rank's partial sum, not yet reduced."""
 
@@ -74,8 +74,7 @@ class MoEExperts(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        moe = fused_moe if x.is_cuda else fused_moe_ref
-        return moe(x, self.w13, self.w2, topk_weights, topk_ids)
+        return self.backend.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
 
 
 class SharedExpert(nn.Module):

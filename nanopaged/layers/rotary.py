@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from nanopaged.kernels.rotary import apply_rotary, qk_norm_rotary
+from nanopaged.layers.backend import UsesBackend
 from nanopaged.layers.norm import RMSNorm
 
 
@@ -31,7 +32,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(UsesBackend, nn.Module):
     """Applies RoPE to q and k at given positions from a precomputed cos/sin table."""
 
     def __init__(
@@ -60,7 +61,7 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if q.is_cuda:
+        if self.backend.triton:
             return apply_rotary(q, k, self.cos, self.sin, positions)
         cos, sin = self._cos_sin(positions, q.dtype)
         # qk: [num_tokens, num_heads + num_kv_heads, head_dim]; on CPU each op's dispatch is a
@@ -97,7 +98,7 @@ class RotaryEmbedding(nn.Module):
         """Per-head q_norm/k_norm then RoPE; one fused kernel on CUDA (Qwen3)."""
         # q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim]
         fusable = q_norm.eps == k_norm.eps and q_norm.weight.dtype == k_norm.weight.dtype == q.dtype
-        if q.is_cuda and fusable:
+        if self.backend.triton and fusable:
             return qk_norm_rotary(
                 q, k, q_norm.weight, k_norm.weight, q_norm.eps, self.cos, self.sin, positions
             )

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanopaged.kernels.sampler import FusedSample, sample_fused, sample_ref
+from nanopaged.kernels.sampler import FusedSample
+from nanopaged.layers.backend import backend_for
 
 
 @dataclass
@@ -37,9 +38,7 @@ def sample(
         tokens = logits.argmax(dim=-1)
         return FusedSample(tokens, torch.zeros_like(tokens, dtype=torch.float32), None, None)
     args = (logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, st.seeds, st.offsets)
-    if logits.is_cuda:
-        return sample_fused(*args, num_logprobs)
-    return sample_ref(*args, num_logprobs)
+    return backend_for(logits.device).sample(*args, num_logprobs)
 
 
 def apply_penalties(

@@ -62,12 +62,10 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and q.is_cuda:
-            # One kernel for both per-head norms and the rotation.
+        if self.q_norm is not None:
+            # Triton: one kernel for both per-head norms and the rotation.
             q, k = self.rotary.forward_with_qk_norm(positions, q, k, self.q_norm, self.k_norm)
         else:
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v, meta)
         # out: [num_tokens, num_heads, head_dim] -> [num_tokens, hidden_size] (summed over ranks)

@@ -238,20 +238,30 @@ def test_launchers_capture_in_cuda_graph():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_layers_gpu(dtype):
-    """The layers' CUDA paths (kernels) against their own CPU torch paths on the same data."""
+    """The layers' Triton backend (kernels) against their torch backend on the same data."""
     from nanopaged.layers.activation import SiluAndMul
+    from nanopaged.layers.backend import TORCH, TRITON, bind_backend
     from nanopaged.layers.norm import RMSNorm
+
+    def on_gpu(*modules):
+        for m in modules:
+            assert m.backend is TORCH  # built outside a runner: the references
+            bind_backend(m.to("cuda"), TRITON)
 
     norm = RMSNorm(1024, EPS).to(dtype)
     norm.weight.data = rand(1024, dtype=dtype, seed=5).cpu()
     x, res = rand(300, 1024, dtype=dtype, seed=6).cpu(), rand(300, 1024, dtype=dtype, seed=7).cpu()
     out_cpu, res_cpu = norm(x, res)
-    out_gpu, res_gpu = norm.to("cuda")(x.cuda(), res.cuda())
+    on_gpu(norm)
+    out_gpu, res_gpu = norm(x.cuda(), res.cuda())
     assert torch.equal(res_gpu.cpu(), res_cpu)
     assert_matches(out_gpu.cpu(), out_cpu)
 
     gate_up = rand(300, 2 * 3072, dtype=dtype, seed=8).cpu()
-    assert_matches(SiluAndMul()(gate_up.cuda()).cpu(), SiluAndMul()(gate_up), frac=1.0)
+    act = SiluAndMul()
+    expected_act = act(gate_up)
+    on_gpu(act)
+    assert_matches(act(gate_up.cuda()).cpu(), expected_act, frac=1.0)
 
     rope = RotaryEmbedding(128, MAX_POSITION, 1_000_000.0)
     q_norm, k_norm = RMSNorm(128, EPS).to(dtype), RMSNorm(128, EPS).to(dtype)
@@ -262,7 +272,7 @@ def test_layers_gpu(dtype):
     positions = torch.randperm(MAX_POSITION)[:300]
     expected = rope.forward_with_qk_norm(positions, q, k, q_norm, k_norm)
     expected += rope(positions, q, k)
-    rope, q_norm, k_norm = rope.to("cuda"), q_norm.to("cuda"), k_norm.to("cuda")
+    on_gpu(rope, q_norm, k_norm)
     q, k, positions = q.cuda(), k.cuda(), positions.cuda()
     got = rope.forward_with_qk_norm(positions, q, k, q_norm, k_norm) + rope(positions, q, k)
     for out, ref in zip(got, expected):

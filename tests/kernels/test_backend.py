@@ -1,0 +1,55 @@
+"""The backend a model's layers compute with is chosen once, by the runner, not per tensor."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from kernel_inputs import DEVICE
+
+from nanopaged import LLM
+from nanopaged.layers.activation import SiluAndMul
+from nanopaged.layers.backend import TORCH, TRITON, UsesBackend, backend_for, bind_backend
+from nanopaged.layers.norm import RMSNorm
+
+
+def test_backend_for_device():
+    assert backend_for("cpu") is TORCH and backend_for(torch.device("cpu")) is TORCH
+    assert backend_for("cuda") is TRITON and backend_for("cuda:1") is TRITON
+    assert backend_for("meta") is TORCH
+
+
+def test_runner_binds_every_layer():
+    llm = LLM(kv_cache_memory=4 << 20, max_model_len=32)
+    layers = [m for m in llm.runner.model.modules() if isinstance(m, UsesBackend)]
+    # Norms, activations, rotary and attention of every decoder layer, and the final norm.
+    assert len(layers) >= 4 * 30
+    assert llm.runner.backend is backend_for(llm.runner.device)
+    assert all(m.backend is llm.runner.backend for m in layers)
+
+
+def test_bound_backend_decides_not_the_device():
+    # The same tensors through a spying torch backend, then through the Triton one (under the
+    # interpreter when there is no GPU): the bound backend, not the device, picks the code.
+    x = torch.randn(5, 64, device=DEVICE)
+    res = torch.randn(5, 64, device=DEVICE)
+    norm = RMSNorm(64, 1e-6).to(DEVICE)
+    norm.weight.data = torch.rand(64, device=DEVICE) + 0.5
+    calls = []
+
+    def spy(*args):
+        calls.append(args[0].shape)
+        return TORCH.rms_norm(*args)
+
+    bind_backend(norm, replace(TORCH, rms_norm=spy))
+    expected, expected_res = norm(x, res)
+    assert calls == [x.shape]
+    bind_backend(norm, TRITON)
+    out, out_res = norm(x, res)
+    assert calls == [x.shape]
+    torch.testing.assert_close(out_res, expected_res)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    act = SiluAndMul()
+    gate_up = torch.randn(5, 128, device=DEVICE)
+    bind_backend(act, TRITON)
+    torch.testing.assert_close(act(gate_up), TORCH.silu_and_mul(gate_up), rtol=1e-5, atol=1e-5)
