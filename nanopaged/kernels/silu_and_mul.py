@@ -15,8 +15,23 @@ except ImportError:  # CPU-only installs use silu_and_mul_ref
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """Torch reference: x [num_tokens, 2 * d] -> silu(x[:, :d]) * x[:, d:] in fp32 (fp64 stays
     fp64), rounded once."""
-    gate, up = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(x.dtype)
+    work = torch.promote_types(x.dtype, torch.float32)
+    if work == x.dtype:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    # 16-bit x (also the CPU's bf16 path): in slices of rows whose fp32 copies stay in cache,
+    # each updated in place, rounded once into the output.
+    d = x.shape[-1] // 2
+    rows = x.reshape(-1, 2 * d)
+    out = torch.empty(rows.shape[0], d, dtype=x.dtype, device=x.device)
+    step = max(1, (1 << 16) // d)
+    for start in range(0, rows.shape[0], step):
+        part = rows[start : start + step]
+        acc = part[:, :d].to(work)
+        F.silu(acc, inplace=True)
+        acc.mul_(part[:, d:].to(work))
+        out[start : start + step] = acc
+    return out.view(*x.shape[:-1], d)
 
 
 if triton is not None:
