@@ -13,9 +13,12 @@ from nanopaged.kernels.store_kv import is_fp8
 try:
     import triton
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # CPU-only installs use paged_prefill_ref
     triton = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # a triton without TMA descriptors reads all K/V through the block table
+    TensorDescriptor = None
 
 
 def paged_prefill_ref(
@@ -323,7 +326,7 @@ def paged_prefill_launch(
     if num_tokens == 0 or batch == 0 or max_seqlen_q == 0:
         return out
     group = num_heads // num_kv_heads
-    fresh = k_new is not None and not is_fp8(k_cache.dtype)
+    fresh = k_new is not None and not is_fp8(k_cache.dtype) and TensorDescriptor is not None
     k_desc = v_desc = None
     if fresh:
         assert v_new is not None and k_new.shape == v_new.shape == (num_tokens, num_kv_heads,
