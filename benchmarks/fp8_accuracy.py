@@ -45,10 +45,20 @@ def teacher_forced(llm: LLM, sequences: list[list[int]]) -> tuple[list[int], lis
     return top1, logprobs
 
 
+def teacher_forced_hooked(llm: LLM, sequences: list[list[int]], make_hook):
+    """teacher_forced with make_hook(i) as a forward pre-hook on attention layer i."""
+    layers = llm.runner.attention_layers
+    handles = [m.register_forward_pre_hook(make_hook(i)) for i, m in enumerate(layers)]
+    try:
+        return teacher_forced(llm, sequences)
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def kv_maxima(llm: LLM, sequences: list[list[int]]) -> torch.Tensor:
     """[2, num_layers]: the largest |K| and |V| each layer stores over the sequences."""
-    layers = llm.runner.attention_layers
-    amax = torch.zeros(2, len(layers))
+    amax = torch.zeros(2, len(llm.runner.attention_layers))
 
     def hook(i: int):
         def record(module, args):
@@ -58,30 +68,19 @@ def kv_maxima(llm: LLM, sequences: list[list[int]]) -> torch.Tensor:
 
         return record
 
-    handles = [m.register_forward_pre_hook(hook(i)) for i, m in enumerate(layers)]
-    try:
-        teacher_forced(llm, sequences)
-    finally:
-        for h in handles:
-            h.remove()
+    teacher_forced_hooked(llm, sequences, hook)
     return amax
 
 
 def rounded_kv(llm: LLM, dtype: torch.dtype, sequences: list[list[int]]):
     """teacher_forced with every K/V value rounded to dtype before it is stored: what a KV
     cache of that dtype gives an fp32 model (a reference for what 8-bit K/V cost)."""
-    layers = llm.runner.attention_layers
 
     def round_kv(module, args):
         q, k, v, meta = args
         return q, k.to(dtype).to(k.dtype), v.to(dtype).to(v.dtype), meta
 
-    handles = [m.register_forward_pre_hook(round_kv) for m in layers]
-    try:
-        return teacher_forced(llm, sequences)
-    finally:
-        for h in handles:
-            h.remove()
+    return teacher_forced_hooked(llm, sequences, lambda i: round_kv)
 
 
 def free_memory() -> None:
