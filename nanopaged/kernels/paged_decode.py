@@ -56,6 +56,9 @@ class DecodePlan:
     # [batch, 1, 1, num_tokens] bool, which gathered slots are inside each context; None when
     # every context is num_tokens long
     valid: torch.Tensor | None
+    # [num_stale] int64: the rows of the gather ([batch * num_blocks * block_size]) past each
+    # context but before num_tokens, zeroed after the gather; None with valid
+    stale: torch.Tensor | None
     empty: torch.Tensor | None  # [batch] bool, contexts of length 0; None when there are none
 
 
@@ -65,13 +68,17 @@ def decode_plan(
     """The gather of paged_decode_ref for these block tables and context lengths."""
     lens = context_lens.tolist()
     max_len = max(lens, default=0)
-    tables = block_tables[:, : -(-max_len // block_size)].flatten()
+    num_blocks = -(-max_len // block_size)
+    tables = block_tables[:, :num_blocks].flatten()
     if min(lens, default=0) == max_len:
-        return DecodePlan(tables, max_len, None, None)
+        return DecodePlan(tables, max_len, None, None, None)
     lens_t = context_lens.to(torch.long)
-    valid = torch.arange(max_len, device=context_lens.device)[None, :] < lens_t[:, None]
+    pos = torch.arange(num_blocks * block_size, device=context_lens.device)
+    past = pos[None, :] >= lens_t[:, None]
+    stale = (past & (pos < max_len)).flatten().nonzero().flatten()
+    valid = ~past[:, None, None, :max_len]
     empty = lens_t == 0
-    return DecodePlan(tables, max_len, valid[:, None, None, :], empty if min(lens) == 0 else None)
+    return DecodePlan(tables, max_len, valid, stale, empty if min(lens) == 0 else None)
 
 
 def paged_decode_ref(
@@ -88,12 +95,13 @@ def paged_decode_ref(
     """Torch reference. q: [batch, num_heads, head_dim] -> [batch, num_heads, head_dim].
 
     Also the CPU path: one gather of the blocks the longest context needs, then one fused
-    SDPA call for the batch, in which each KV head's query group plays the part of the query
-    rows, so GQA needs no repeated K/V. Unequal lengths mask the slots past each context and
-    zero them first, so stale values, even NaN, never reach a sum. An empty context yields
-    zeros, as the kernel writes. `plan`, when given, must be decode_plan(block_tables,
-    context_lens, block_size). An fp8 cache's values are multiplied by k_scale / v_scale ([1]
-    fp32) in fp32.
+    SDPA call for the batch in q's dtype (as the kernel, whose dots take the cache's 16-bit
+    values and accumulate in fp32), in which each KV head's query group plays the part of the
+    query rows, so GQA needs no repeated K/V. Unequal lengths mask the slots past each context
+    and zero them in the gather first, so stale values, even NaN, never reach a sum. An empty
+    context yields zeros, as the kernel writes. `plan`, when given, must be
+    decode_plan(block_tables, context_lens, block_size). An fp8 cache's values are multiplied
+    by k_scale / v_scale ([1] fp32) in fp32, then rounded to q's dtype.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -104,22 +112,20 @@ def paged_decode_ref(
     # k, v: [batch, num_kv_heads, num_tokens, head_dim], strided views of fresh gathers
     # (index_select, not advanced indexing, which on CPU threads its loop over the whole
     # cache: milliseconds per call at 2 threads)
-    k = k_cache.index_select(0, plan.tables).view(batch, -1, num_kv_heads, head_dim)
-    v = v_cache.index_select(0, plan.tables).view(batch, -1, num_kv_heads, head_dim)
-    k = dequantize(k[:, : plan.num_tokens], k_scale).transpose(1, 2)
-    v = dequantize(v[:, : plan.num_tokens], v_scale).transpose(1, 2)
+    kv = []
+    for cache, cache_scale in ((k_cache, k_scale), (v_cache, v_scale)):
+        x = dequantize(cache.index_select(0, plan.tables), cache_scale, q.dtype)
+        if plan.stale is not None:
+            x.view(-1, num_kv_heads * head_dim).index_fill_(0, plan.stale, 0.0)
+        x = x.view(batch, -1, num_kv_heads, head_dim)[:, : plan.num_tokens]
+        kv.append(x.transpose(1, 2))
     # qg: [batch, num_kv_heads, group, head_dim]
-    qg = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    if plan.valid is None:
-        out = F.scaled_dot_product_attention(qg, k, v, scale=scale)
-        return out.reshape(batch, num_heads, head_dim).to(q.dtype)
-    stale = ~plan.valid.transpose(-1, -2)  # [batch, 1, num_tokens, 1]
-    k, v = k.masked_fill(stale, 0.0), v.masked_fill(stale, 0.0)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.valid, scale=scale)
+    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(qg, *kv, attn_mask=plan.valid, scale=scale)
     out = out.reshape(batch, num_heads, head_dim)
     if plan.empty is not None:  # no key at all: softmax over nothing is NaN, the kernel's 0
         out = out.masked_fill(plan.empty[:, None, None], 0.0)
-    return out.to(q.dtype)
+    return out
 
 
 @functools.cache
