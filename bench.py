@@ -6,6 +6,7 @@ python bench.py --kv-cache-dtype fp8 [--json PATH]                the same with 
 python bench.py --kernels [--json PATH]                           kernel microbenchmarks
 python bench.py --sampling [--json PATH]                          ShareGPT-like, 5 settings
 python bench.py --memory                                          KV memory / sharing figures
+python bench.py --latency [--batch 1 8] [--profile]               decode step time, small batches
 python bench.py --load-format dummy --model-shape llama3-70b --tensor-parallel-size 8
                  random weights of a published shape from its config.json alone, N GPUs
                  (qwen3-30b-a3b: mixture of experts; its roofline counts the experts touched)
@@ -224,8 +225,9 @@ def warm_up(llm, prompts) -> None:
     llm.generate(prompts[:1], p, use_tqdm=False)
     # More prompts than one step's token budget: chunked prompts (with and without a cached
     # part) in steps mixed with decodes, the variants the timed run meets.
-    llm.generate(prompts[:48], SamplingParams(temperature=0.6, max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(
+        prompts[:48], SamplingParams(temperature=0.6, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
 
 
 def sharegpt_like(n: int = 400):
@@ -318,6 +320,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kernels", action="store_true", help="kernel microbenchmarks")
     parser.add_argument("--memory", action="store_true", help="KV memory and sharing figures")
     parser.add_argument("--sampling", action="store_true", help="ShareGPT-like, 5 samplings")
+    parser.add_argument("--latency", action="store_true", help="decode step time at batch 1, 8")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per model")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
@@ -352,6 +355,13 @@ def main(argv: list[str] | None = None) -> dict:
             out = Path(args.json)
             out.with_name(out.stem + "_sampler.json").write_text(json.dumps(sampler_rows, indent=2))
         return rows + sampler_rows + moe_rows
+    if args.latency:
+        import latency_bench
+
+        passed = (["--json", args.json] if args.json else []) + (
+            ["--model", args.model] if args.model else []
+        )
+        return latency_bench.main(rest + passed + (["--enforce-eager"] * args.enforce_eager))
     if args.memory:
         import memory_bench
 

@@ -320,12 +320,18 @@ def choose_num_splits(
     batch: int, num_kv_heads: int, max_context_len: int, block_n: int, sms: int
 ) -> int:
     """Split-KV count from host ints only: split when there are fewer programs than SMs (to
-    ~2 per SM), or contexts pass 32k; keep >= 4 tiles per split."""
+    ~2 per SM, and no more than 4 tiles each), or contexts pass 32k; at least one tile per
+    split, at most 64 splits. A CUDA graph captures this with max_context_len = the longest a
+    sequence may grow: at small batches a short context still spreads over several programs
+    (splits past a context's end return at once)."""
     programs = batch * num_kv_heads
     max_tiles = max(1, -(-max_context_len // block_n))
-    splits = -(-2 * sms // programs) if programs < sms else 1
+    splits = 1
+    if programs < sms:
+        # ~2 programs per SM, and no split longer than 4 tiles
+        splits = max(-(-2 * sms // programs), -(-max_tiles // 4))
     splits = max(splits, -(-max_context_len // 32768))  # long contexts: bound one program's work
-    return max(1, min(splits, max_tiles // 4, 64))
+    return max(1, min(splits, max_tiles, 64))
 
 
 def paged_decode_launch(

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanopaged.distributed.parallel import TensorParallel
-from nanopaged.layers.cpu_gemm import linear
+from nanopaged.layers.backend import UsesBackend
 from nanopaged.layers.linear import SINGLE
 
 
@@ -49,7 +49,7 @@ class VocabEmbedding(nn.Module):
         return self.tp.all_reduce(hidden)
 
 
-class LMHead(VocabEmbedding):
+class LMHead(UsesBackend, VocabEmbedding):
     """Hidden vector -> vocabulary logits; rank 0 gathers the ranks' slices, others get None."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE) -> None:
@@ -58,7 +58,7 @@ class LMHead(VocabEmbedding):
         self.packed_weight: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = linear(hidden, self.weight, None, self.packed_weight)
+        logits = self.backend.linear(hidden, self.weight, None, self.packed_weight)
         if self.tp.size == 1:
             return logits
         # logits: [rows, rows_per_rank] per rank -> [rows, vocab_size] on rank 0

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from nanopaged.distributed.parallel import TensorParallel, local_kv_heads
-from nanopaged.layers.cpu_gemm import linear
+from nanopaged.layers.backend import UsesBackend
 
 SINGLE = TensorParallel()
 
@@ -29,7 +29,7 @@ def _shard(loaded: torch.Tensor, full_shape: tuple, dim: int, start: int, length
     return loaded.narrow(dim, start, length)
 
 
-class Linear(nn.Module):
+class Linear(UsesBackend, nn.Module):
     """y = x W^T (+ b), weight [output_size, input_size], the same on every rank."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
@@ -49,7 +49,7 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return self.backend.linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ColumnParallelLinear(Linear):
@@ -159,6 +159,6 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1 or not self.reduce_results:
-            return linear(x, self.weight, self.bias, self.packed_weight)
-        out = self.tp.all_reduce(linear(x, self.weight, None, self.packed_weight))
+            return self.backend.linear(x, self.weight, self.bias, self.packed_weight)
+        out = self.tp.all_reduce(self.backend.linear(x, self.weight, None, self.packed_weight))
         return out if self.bias is None else out + self.bias

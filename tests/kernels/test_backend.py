@@ -27,11 +27,14 @@ def test_runner_binds_every_layer(tmp_path):
     layers = [m for m in llm.runner.model.modules() if isinstance(m, UsesBackend)]
     num_layers = len(llm.runner.attention_layers)
     kinds = Counter(type(m).__name__ for m in layers)
-    # Per decoder layer: two norms, q/k norms, the activation, attention; the final norm; one
-    # rotary table shared by the layers.
+    # Per decoder layer: two norms, q/k norms, the activation, attention and four linears
+    # (qkv, o, gate_up, down); the final norm and the LM head; one rotary table shared by the
+    # layers.
     assert num_layers == 2
     assert kinds == {"RMSNorm": 4 * num_layers + 1, "SiluAndMul": num_layers,
-                     "Attention": num_layers, "RotaryEmbedding": 1}  # fmt: skip
+                     "Attention": num_layers, "RotaryEmbedding": 1,
+                     "QKVParallelLinear": num_layers, "RowParallelLinear": 2 * num_layers,
+                     "MergedColumnParallelLinear": num_layers, "LMHead": 1}  # fmt: skip
     assert llm.runner.backend is backend_for(llm.runner.device)
     assert all(m.backend is llm.runner.backend for m in layers)
 
