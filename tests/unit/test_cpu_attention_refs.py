@@ -86,3 +86,26 @@ def test_store_kv_ref_skips_negative_slots():
     assert torch.equal(flat[3], key[0]) and torch.equal(flat[9], key[2])
     assert torch.equal(v_cache.view(-1, 1, 4)[9], -key[2])
     assert flat.abs().sum() == key[0].sum() + key[2].sum()
+
+
+@pytest.mark.parametrize("lens", [[37, 5, 16], [1, 30, 0, 9]])
+def test_decode_ref_bf16_attends_in_bf16_and_skips_stale_nan(lens):
+    # A bf16 cache is attended in bf16 (fp32 accumulation inside SDPA), as the kernel's dots
+    # take 16-bit operands; the NaN past each context in the gathered blocks never reaches a
+    # sum, and the gather is zeroed only where the plan says.
+    k_cache, v_cache, tables, contexts = paged_inputs(lens, 2, 32, seed=3)
+    k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
+    q = torch.randn(len(lens), 6, 32).bfloat16()
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    plan = decode_plan(tables, context_lens, BLOCK_SIZE)
+    stale_rows = plan.stale.numel()
+    assert stale_rows == sum(max(lens) - n for n in lens)
+    out = paged_decode_ref(q, k16, v16, tables, context_lens, 0.2, plan=plan)
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    for i, (k, v) in enumerate(contexts):
+        if lens[i] == 0:
+            assert torch.equal(out[i], torch.zeros_like(out[i]))
+            continue
+        ref = naive_attention(q[i : i + 1].float(), k.bfloat16().float(), v.bfloat16().float(),
+                              torch.tensor([lens[i] - 1]), 0.2)  # fmt: skip
+        torch.testing.assert_close(out[i].float(), ref[0], atol=2e-2, rtol=2e-2)
