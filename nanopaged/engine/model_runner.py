@@ -14,6 +14,7 @@ from nanopaged.config import EngineConfig, ModelConfig
 from nanopaged.distributed.parallel import TensorParallel, local_kv_heads
 from nanopaged.engine.block_tables import BlockTableBuilder
 from nanopaged.engine.cuda_graph import DecodeGraphs
+from nanopaged.engine.host_memory import keep_freed_memory
 from nanopaged.engine.sample_output import RowLogprobs, SampleOutput
 from nanopaged.engine.sampling import (
     mask_early_stops,
@@ -166,6 +167,8 @@ class ModelRunner:
         self.kv_cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
         self.block_size = engine_config.block_size
         torch.manual_seed(engine_config.seed)
+        if device.type == "cpu":
+            keep_freed_memory()  # a CPU step's activations reuse heap blocks, no page faults
         # A budget the config fixes is checked before anything is loaded.
         profile = device.type == "cuda" and engine_config.kv_cache_memory is None
         if not profile:
