@@ -18,6 +18,7 @@ from nanopaged.engine.block_manager import BlockManager, KVStats
 from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.llm_engine import LLMEngine
 from nanopaged.engine.model_runner import ModelRunner, kv_bytes_per_block
+from nanopaged.engine.output_processor import decode_batch
 from nanopaged.engine.prompt_logprobs import compute_prompt_logprobs
 from nanopaged.engine.scheduler import Scheduler
 from nanopaged.engine.sequence import Sequence, SequenceStatus
@@ -531,14 +532,18 @@ class LLM:
                 seq.bad_words_token_ids = bad_words_token_ids(p.bad_words, self.tokenizer)
             groups.append(SequenceGroup(seq.request_id, seq))
         self.engine.run(groups, use_tqdm)
+        decoder = self._token_decoder(
+            [s.logprobs for g in groups for s in g.seqs if s.sampling_params.logprobs is not None]
+        )
         outputs = [
-            self._request_output(group, prompt)
+            self._request_output(group, prompt, decoder)
             for group, prompt in zip(groups, prompt_list)
         ]
         for out, prompt_ids, p in zip(outputs, token_lists, params):
             if p.prompt_logprobs is not None:
                 entries, ranks = compute_prompt_logprobs(self.runner, prompt_ids, p.prompt_logprobs)
-                out.prompt_logprobs = [None, *to_logprobs(entries, ranks, self._token_decoder())]
+                decoder = self._token_decoder([entries])
+                out.prompt_logprobs = [None, *to_logprobs(entries, ranks, decoder)]
         return outputs
 
     def _with_max_tokens(self, p: SamplingParams, prompt_len: int) -> SamplingParams:
@@ -547,13 +552,22 @@ class LLM:
             return p
         return dataclasses.replace(p, max_tokens=max(1, self.max_model_len - prompt_len))
 
-    def _token_decoder(self):
-        """token id -> its text, for Logprob.decoded_token (None without a tokenizer)."""
+    def _token_decoder(self, entries: list[list[dict[int, float]]] = ()):
+        """token id -> its text, for Logprob.decoded_token (None without a tokenizer).
+
+        entries: the logprob dicts about to be converted, whose tokens are decoded up front in
+        one batch.
+        """
         if self.tokenizer is None:
             return None
         # Memoized: an output with logprobs names k + 1 tokens per generated token, and one
         # tokenizer call each would cost more than generating them.
         cache = self._decoded_tokens
+        missing = {tok for per_seq in entries for d in per_seq for tok in d if tok not in cache}
+        if missing:
+            ids = list(missing)
+            texts = decode_batch(self.tokenizer, [[tok] for tok in ids], False)
+            cache.update(zip(ids, texts))
 
         def decode(token: int) -> str:
             text = cache.get(token)
@@ -617,7 +631,9 @@ class LLM:
             self._request_counter += 1
             groups.append(SequenceGroup(seq.request_id, seq, beam_params=params))
         self.engine.run(groups, use_tqdm)
-        decoder = self._token_decoder()
+        decoder = self._token_decoder(
+            [h.logprobs for group in groups for h in group.completed_beams]
+        )
         return [
             BeamSearchOutput(
                 sequences=[
@@ -647,7 +663,7 @@ class LLM:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def _completion(self, seq: Sequence) -> CompletionOutput:
+    def _completion(self, seq: Sequence, decoder) -> CompletionOutput:
         p = seq.sampling_params
         text = getattr(seq, "text", None)
         if text is None:
@@ -659,7 +675,7 @@ class LLM:
             token_ids=seq.output_token_ids,
             cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
             logprobs=(
-                to_logprobs(seq.logprobs, seq.logprob_ranks, self._token_decoder())
+                to_logprobs(seq.logprobs, seq.logprob_ranks, decoder)
                 if with_logprobs
                 else None
             ),
@@ -667,13 +683,15 @@ class LLM:
             stop_reason=seq.stop_reason,
         )
 
-    def _request_output(self, group: SequenceGroup, prompt: PromptType) -> RequestOutput:
+    def _request_output(self, group: SequenceGroup, prompt: PromptType, decoder) -> RequestOutput:
         first = min(group.seqs, key=lambda s: s.index)
         return RequestOutput(
             request_id=group.request_id,
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=first.token_ids[: first.num_prompt_tokens],
-            outputs=[self._completion(s) for s in sorted(group.seqs, key=lambda s: s.index)],
+            outputs=[
+                self._completion(s, decoder) for s in sorted(group.seqs, key=lambda s: s.index)
+            ],
             finished=group.is_finished,
             num_cached_tokens=first.num_cached_tokens,
         )

@@ -7,7 +7,49 @@ windows of all sequences go to the tokenizer in one batched call.
 
 from __future__ import annotations
 
+import functools
+
 from nanopaged.engine.sequence import Sequence
+
+
+@functools.cache
+def _has_stock_decode(tokenizer_type: type) -> bool:
+    """Whether tokenizer_type decodes as transformers' fast tokenizer does: its Rust tokenizer's
+    decode, then an optional clean-up of spaces (an override could change the text)."""
+    try:
+        import transformers
+    except ImportError:
+        return False
+    stock = getattr(transformers, "TokenizersBackend", None) or getattr(
+        transformers, "PreTrainedTokenizerFast", None
+    )
+    base = getattr(transformers, "PreTrainedTokenizerBase", None)
+    return (
+        stock is not None
+        and base is not None
+        and issubclass(tokenizer_type, stock)
+        and tokenizer_type._decode is stock._decode
+        and tokenizer_type.decode is base.decode
+        and tokenizer_type.batch_decode is base.batch_decode
+    )
+
+
+def decode_batch(tokenizer, token_lists: list[list[int]], skip_special_tokens: bool) -> list[str]:
+    """`tokenizer.decode(ids, skip_special_tokens=...)` of each list.
+
+    A stock fast tokenizer that cleans up no spaces decodes with its Rust tokenizer alone, the
+    same text without transformers' per-call work (several times the decode itself for the few
+    tokens of a window, and a step decodes two windows per watched sequence).
+    """
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (
+        backend is None
+        or getattr(tokenizer, "clean_up_tokenization_spaces", True)
+        or not _has_stock_decode(type(tokenizer))
+    ):
+        return tokenizer.batch_decode(token_lists, skip_special_tokens=skip_special_tokens)
+    decode = backend.decode
+    return [decode(ids, skip_special_tokens) for ids in token_lists]
 
 
 class IncrementalDetokenizer:
@@ -23,17 +65,9 @@ class IncrementalDetokenizer:
         self.text = ""
         self.prefix_offset = 0  # start of the decoding window
         self.read_offset = 0  # tokens whose text is already in self.text
-
-    def windows(
-        self, token_ids: list[int], start: int = 0
-    ) -> tuple[list[int], list[int]] | None:
-        """(tokens already read, all tokens) of the window to decode, for the text of
-        token_ids[start:] (slicing only the window: no copy of the whole output each step);
-        None: nothing new."""
-        if len(token_ids) - start <= self.read_offset:
-            return None
-        window = token_ids[start + self.prefix_offset :]
-        return window[: self.read_offset - self.prefix_offset], window
+        # The text of the window's already-read tokens while the window has not moved (a step
+        # whose text ended in an incomplete character): it needs no second decode.
+        self.prefix_text: str | None = None
 
     def advance(self, num_tokens: int, prefix: str, full: str) -> None:
         """Take the decoded window texts of a list of num_tokens token ids."""
@@ -41,6 +75,9 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix) :]
             self.prefix_offset = self.read_offset
             self.read_offset = num_tokens
+            self.prefix_text = None
+        else:
+            self.prefix_text = prefix
 
     def update(self, tokenizer, token_ids: list[int]) -> str:
         """Extend the text with token_ids[read_offset:]; returns the whole text so far."""
@@ -54,19 +91,26 @@ def update_texts(
     """Bring every detokenizer's text up to its (token list, start), in one batched decode per
     skip_special_tokens setting."""
     for skip in (True, False):
-        todo = []
+        todo, windows = [], []
         for detok, ids, start in items:
-            if detok.skip_special_tokens == skip:
-                w = detok.windows(ids, start)
-                if w is not None:
-                    todo.append((detok, len(ids) - start, w))
+            if detok.skip_special_tokens != skip:
+                continue
+            num_tokens = len(ids) - start
+            if num_tokens <= detok.read_offset:
+                continue  # nothing new
+            # Slice only the window: no copy of the whole output each step.
+            window = ids[start + detok.prefix_offset :]
+            windows.append(window)
+            if detok.prefix_text is None:
+                windows.append(window[: detok.read_offset - detok.prefix_offset])
+            todo.append((detok, num_tokens))
         if not todo:
             continue
-        texts = tokenizer.batch_decode(
-            [w[0] for _, _, w in todo] + [w[1] for _, _, w in todo], skip_special_tokens=skip
-        )
-        for i, (detok, n, _) in enumerate(todo):
-            detok.advance(n, texts[i], texts[len(todo) + i])
+        texts = iter(decode_batch(tokenizer, windows, skip))
+        for detok, num_tokens in todo:
+            full = next(texts)
+            prefix = detok.prefix_text
+            detok.advance(num_tokens, next(texts) if prefix is None else prefix, full)
 
 
 def find_stop_strings(seqs: list[Sequence], tokenizer) -> list[tuple[Sequence, int, str, str]]:
@@ -74,18 +118,25 @@ def find_stop_strings(seqs: list[Sequence], tokenizer) -> list[tuple[Sequence, i
     (seq, index in the full output text, the string, the full output text)."""
     items, before = [], []
     for seq in seqs:
-        if seq.detokenizer is None:
-            seq.detokenizer = IncrementalDetokenizer(seq.sampling_params.skip_special_tokens)
-        items.append((seq.detokenizer, seq.token_ids, seq.num_prompt_tokens))
-        before.append(len(seq.detokenizer.text))
+        detok = seq.detokenizer
+        if detok is None:
+            detok = seq.detokenizer = IncrementalDetokenizer(
+                seq.sampling_params.skip_special_tokens
+            )
+        items.append((detok, seq.token_ids, seq.num_prompt_tokens))
+        before.append(len(detok.text))
     update_texts(tokenizer, items)
     found = []
     for seq, start_len in zip(seqs, before):
         stops = seq.sampling_params.stop
         text = seq.detokenizer.text
-        # Only the tail can hold a stop string that was not there a token ago.
-        start = max(0, start_len - max(len(s) for s in stops) + 1)
-        if not any(text.find(s, start) >= 0 for s in stops):
+        # Only the tail can hold a stop string that was not there a token ago: the new text
+        # and the (longest stop string - 1) characters before it.
+        start = max(0, start_len - max(map(len, stops)) + 1)
+        for s in stops:
+            if text.find(s, start) >= 0:
+                break
+        else:
             continue
         # Found in the windows' text: place it in the full decode, which is what users get.
         skip = seq.sampling_params.skip_special_tokens
