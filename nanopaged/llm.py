@@ -552,7 +552,7 @@ class LLM:
             return p
         return dataclasses.replace(p, max_tokens=max(1, self.max_model_len - prompt_len))
 
-    def _token_decoder(self, entries: list[list[dict[int, float]]] = ()):
+    def _token_decoder(self, entries: list[list[dict[int, float]]]):
         """token id -> its text, for Logprob.decoded_token (None without a tokenizer).
 
         entries: the logprob dicts about to be converted, whose tokens are decoded up front in

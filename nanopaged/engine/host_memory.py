@@ -43,10 +43,12 @@ def keep_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL(name)
-        mallopt, gnu_version = libc.mallopt, libc.gnu_get_libc_version
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt thresholds)
+    except OSError:
         return False
-    del gnu_version
+    # Only glibc names its version; musl has no mallopt thresholds.
+    if not hasattr(libc, "gnu_get_libc_version"):
+        return False
+    mallopt = libc.mallopt
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     _applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
