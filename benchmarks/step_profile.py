@@ -1,6 +1,8 @@
 """Where one decode step's time goes: host work, graph replay, sampler, and top GPU kernels.
 
 python benchmarks/step_profile.py [--model PATH] [--batch 256] [--context 1000]
+python benchmarks/step_profile.py --model-shape qwen3-32b --tensor-parallel-size 2
+(--model-shape: random weights of that shape, load_format="dummy"; the profile is rank 0's)
 """
 
 from __future__ import annotations
@@ -27,9 +29,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--model-shape", choices=list(bench.SHAPES), default=None)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args(argv)
-    model_dir = args.model or bench.random_model(bench.QWEN3_0_6B, "qwen3-0.6b", "cuda")
-    llm = LLM(str(model_dir), max_model_len=4096, enforce_eager=args.eager)
+    if args.model_shape is not None:
+        model_dir, load_format = bench.config_only(args.model_shape), "dummy"
+    else:
+        model_dir = args.model or bench.random_model(bench.QWEN3_0_6B, "qwen3-0.6b", "cuda")
+        load_format = "auto"
+    llm = LLM(str(model_dir), max_model_len=4096, enforce_eager=args.eager,
+              tensor_parallel_size=args.tensor_parallel_size, load_format=load_format)  # fmt: skip
     random.seed(0)
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=4000)
     s, runner = llm.scheduler, llm.runner
@@ -61,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         + ", ".join(f"{k} {v:.2f}" for k, v in step.items())
     )
     graphs = runner.graphs
-    if graphs is not None:
+    if graphs is not None and args.tensor_parallel_size == 1:  # TP: the workers must replay too
         bs = len(s.running)
         bucket = min(b for b in graphs.batch_sizes if b >= bs)
         g = graphs.graphs[bucket]
@@ -79,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
     )
+    llm.shutdown()
 
 
 if __name__ == "__main__":

@@ -161,8 +161,10 @@ class TPWorkers:
     def _fail(self, rank: int, detail: str) -> None:
         if self.error is None:
             self.error = WorkerError(f"tensor-parallel worker {rank} failed:\n{detail}")
-        # NCCL would wait for the dead rank forever: abort so rank 0's kernels return, and only
-        # then wake the driver thread, which must not abort the same group concurrently.
+        # Peer all-reduces and NCCL would wait for the dead rank forever: abort both so rank
+        # 0's kernels return, and only then wake the driver thread, which must not abort the
+        # same group concurrently.
+        self.tp.abort()
         _abort_nccl()
         self._failed.set()
 
@@ -217,9 +219,14 @@ class TPWorkers:
             return
         self._closed = True
         orderly = not abort and self.error is None
+        tp = getattr(self, "tp", None)  # None while the workers are still starting
+        if tp is not None and not orderly:
+            tp.abort()  # rank 0's queued peer all-reduces must not wait for killed workers
         if orderly:
             if self.before_leave is not None:
                 self.before_leave()
+            if tp is not None:
+                tp.release()
             for conn in self.conns:
                 try:
                     conn.send_bytes(np.array([_STOP], dtype=np.int64).tobytes())
@@ -343,6 +350,7 @@ def _worker_main(
         runner = ModelRunner(**runner_kwargs, device=device, tp=tp)
         _serve(runner, conn, rank)
         runner.release_graphs()
+        tp.release()
     except BaseException:
         try:
             conn.send(("error", traceback.format_exc()))

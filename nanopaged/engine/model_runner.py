@@ -158,6 +158,7 @@ class ModelRunner:
         dtype (default: dtype; fp8 e4m3/e5m2 stores K/V in 8 bits with per-layer scales)."""
         self.model_config = model_config
         self.tp = tp or TensorParallel()
+        self.tp.enable_peer_all_reduce(device)  # collective, before the KV budget is set
         self.workers = workers
         self.num_kv_heads, _ = local_kv_heads(model_config.num_kv_heads, self.tp)
         self.config = engine_config

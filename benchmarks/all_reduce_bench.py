@@ -1,0 +1,91 @@
+"""The peer all-reduce kernel against NCCL's all-reduce on two GPUs, both replayed from CUDA
+graphs as decode steps replay them, at a Qwen3-32B row width (5120) in bf16.
+
+python benchmarks/all_reduce_bench.py [--hidden 5120] [--world 2] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROWS = (1, 8, 64, 256, 1024)
+CALLS = 20  # sums per graph
+
+
+def graph_us(fn, replays: int = 50) -> float:
+    """Microseconds per call of fn, from a graph of CALLS calls (median of 5 timings)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    times = []
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1000 * start.elapsed_time(end) / (replays * CALLS))
+    return sorted(times[1:])[2]
+
+
+def rank_main(rank: int, world: int, hidden: int, sweep: bool) -> None:
+    import torch.distributed as dist
+
+    from nanopaged.distributed.parallel import TensorParallel
+    from nanopaged.kernels.all_reduce import peer_all_reduce
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29561", rank=rank,
+                            world_size=world, device_id=device)  # fmt: skip
+    tp = TensorParallel(rank, world, dist.group.WORLD)
+    assert tp.enable_peer_all_reduce(device), "no peer access between the GPUs"
+    lines = []
+    for rows in ROWS:
+        # Values that stay finite however often they are summed in place.
+        x = torch.zeros(rows, hidden, dtype=torch.bfloat16, device=device)
+        nccl = graph_us(lambda x=x: dist.all_reduce(x))
+        peer = graph_us(lambda x=x: tp.peer.all_reduce(x))
+        mb = x.numel() * x.element_size() / 1e6
+        line = (f"{rows:5d} x {hidden} bf16 ({mb:6.2f} MB): NCCL {nccl:6.1f} us, peer "
+                f"{peer:6.1f} us = {nccl / peer:4.2f}x")  # fmt: skip
+        if sweep:
+            for programs in (8, 32):
+                us = graph_us(lambda x=x, p=programs: peer_all_reduce(
+                    x, tp.peer.ptrs, rank, world, max_programs=p))  # fmt: skip
+                line += f"; {programs} programs {us:6.1f} us"
+        lines.append(line)
+    if rank == 0:
+        name = torch.cuda.get_device_name()
+        print(f"all-reduce over {world} x {name}, from CUDA graphs:\n" + "\n".join(lines))
+    tp.release()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hidden", type=int, default=5120)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--sweep", action="store_true", help="also cap the program count")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    mp.spawn(rank_main, args=(args.world, args.hidden, args.sweep), nprocs=args.world)
+
+
+if __name__ == "__main__":
+    main()

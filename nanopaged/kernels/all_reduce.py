@@ -1,0 +1,183 @@
+"""All-reduce (sum) over tensor-parallel ranks through peer memory, in one kernel.
+
+Every rank holds a staging buffer and a pad of int64 words in memory the other ranks can
+address (NVLink peer access; see nanopaged.distributed.parallel.PeerAllReduce). Program p of
+every rank handles the same slice of x:
+
+1. copies its slice of x into its own staging buffer;
+2. tells each peer "slice p is staged" and waits for each peer's same word;
+3. sums the slice over the ranks in rank order, in fp32, and writes it back into x (every rank
+   adds the same values in the same order, so all get the same bits);
+4. tells each peer "done reading slice p" and waits for theirs, so no rank overwrites its
+   buffer (the next call's step 1) while a peer may still read it.
+
+The words carry a generation count instead of a flag: program p keeps how many barriers it
+has passed in its own pad word p, and a peer's word for (p, rank) only grows (each barrier
+stores the new generation there with release semantics; the waiter's thread 0 polls for at
+least that value, then fences). Nothing is ever reset, so a CUDA graph replays the kernel any
+number of times. A wait also reads an abort word in pinned host memory now and then: when a
+peer dies the host sets it and the kernel returns (with a meaningless sum) instead of
+spinning forever.
+
+all_reduce_ref is the reference the kernel is checked against (tests/kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs never use the peer all-reduce
+    triton = None
+
+BLOCK = 4096  # elements per program per iteration
+MAX_PROGRAMS = 128  # resident together (a few per SM), so a waiting program blocks no other
+
+
+def pad_words(world_size: int) -> int:
+    """int64 words each rank's pad needs: a generation per program, then a word per
+    (program, rank) that rank writes."""
+    return MAX_PROGRAMS * (1 + world_size)
+
+
+def all_reduce_ref(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The ranks' tensors summed in rank order in fp32, in their dtype."""
+    acc = torch.zeros_like(parts[0], dtype=torch.float32)
+    for p in parts:
+        acc += p.float()
+    return acc.to(parts[0].dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _store_release(ptr, value):
+        # Thread 0 of the program stores `value` (int64) with release semantics, system-wide.
+        tl.inline_asm_elementwise(
+            """{
+            .reg .pred first;
+            .reg .u32 tid;
+            mov.u32 tid, %tid.x;
+            setp.eq.u32 first, tid, 0;
+            @first st.release.sys.global.b64 [$1], $2;
+            mov.u32 $0, 0;
+            }""",
+            "=r,l,l", [ptr, value], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+    @triton.jit
+    def _wait_at_least(ptr, target, abort_ptr):
+        # Thread 0 polls the word (relaxed loads) until it holds at least `target`, checking
+        # the host's abort word every 1024 polls, then fences (acquire); the other threads
+        # wait for it at the CTA barrier that follows. One poller per program keeps the spin
+        # off the memory system.
+        tl.inline_asm_elementwise(
+            """{
+            .reg .pred skip, ok, later;
+            .reg .b64 value, aborted;
+            .reg .b32 tid, polls, low;
+            mov.u32 tid, %tid.x;
+            setp.ne.u32 skip, tid, 0;
+            @skip bra WAIT_END_${:uid};
+            mov.u32 polls, 0;
+            WAIT_POLL_${:uid}:
+            ld.relaxed.sys.global.b64 value, [$1];
+            setp.ge.s64 ok, value, $2;
+            @ok bra WAIT_DONE_${:uid};
+            add.u32 polls, polls, 1;
+            and.b32 low, polls, 1023;
+            setp.ne.u32 later, low, 0;
+            @later bra WAIT_POLL_${:uid};
+            ld.volatile.global.u64 aborted, [$3];
+            setp.eq.u64 later, aborted, 0;
+            @later bra WAIT_POLL_${:uid};
+            WAIT_DONE_${:uid}:
+            fence.acq_rel.sys;
+            WAIT_END_${:uid}:
+            mov.u32 $0, 0;
+            }""",
+            "=r,l,l,l", [ptr, target, abort_ptr], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+    @triton.jit
+    def _barrier(ptrs_ptr, pid, generation, abort_ptr,
+                 RANK: tl.constexpr, WORLD: tl.constexpr, NUM_PROGRAMS: tl.constexpr):  # fmt: skip
+        # Rank r's word for program p in a pad: NUM_PROGRAMS + p * WORLD + r.
+        tl.debug_barrier()  # every thread's writes happen before thread 0's release below
+        word = NUM_PROGRAMS + pid * WORLD
+        for peer in tl.static_range(WORLD):
+            if peer != RANK:
+                pad = tl.load(ptrs_ptr + WORLD + peer).to(tl.pointer_type(tl.int64))
+                _store_release(pad + word + RANK, generation)
+        own_pad = tl.load(ptrs_ptr + WORLD + RANK).to(tl.pointer_type(tl.int64))
+        for peer in tl.static_range(WORLD):
+            if peer != RANK:
+                _wait_at_least(own_pad + word + peer, generation, abort_ptr)
+        tl.debug_barrier()  # the others go on once thread 0 has seen every peer's word
+
+    @triton.jit
+    def _peer_all_reduce_kernel(
+        x_ptr,  # [numel], summed in place
+        ptrs_ptr,  # int64 [2 * WORLD + 1]: every rank's buffer, every rank's pad, abort word
+        numel,
+        per_program,  # a multiple of BLOCK
+        RANK: tl.constexpr,
+        WORLD: tl.constexpr,
+        NUM_PROGRAMS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        ALIGNED: tl.constexpr,  # numel % 16 == 0
+    ):
+        pid = tl.program_id(0)
+        lo = pid * per_program
+        hi = tl.minimum(lo + per_program, numel)
+        if ALIGNED:  # whole 16-element groups: the accesses vectorize
+            hi = tl.multiple_of(hi, 16)
+        offs = tl.arange(0, BLOCK)
+        dtype = x_ptr.dtype.element_ty
+        abort_ptr = tl.load(ptrs_ptr + 2 * WORLD).to(tl.pointer_type(tl.int64))
+        # The buffers are page-aligned: say so, or their accesses are not vectorized.
+        own = tl.multiple_of(tl.load(ptrs_ptr + RANK).to(tl.pointer_type(dtype)), 16)
+        own_pad = tl.load(ptrs_ptr + WORLD + RANK).to(tl.pointer_type(tl.int64))
+        generation = tl.load(own_pad + pid)  # only this program of this rank writes it
+        for start in range(lo, hi, BLOCK):
+            idx = start + offs
+            mask = idx < hi
+            tl.store(own + idx, tl.load(x_ptr + idx, mask=mask), mask=mask)
+        _barrier(ptrs_ptr, pid, generation + 1, abort_ptr, RANK, WORLD, NUM_PROGRAMS)
+        for start in range(lo, hi, BLOCK):
+            idx = start + offs
+            mask = idx < hi
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for r in tl.static_range(WORLD):
+                if r == RANK:
+                    acc += tl.load(x_ptr + idx, mask=mask).to(tl.float32)
+                else:
+                    src = tl.multiple_of(tl.load(ptrs_ptr + r).to(tl.pointer_type(dtype)), 16)
+                    part = tl.load(src + idx, mask=mask, cache_modifier=".cg")
+                    acc += part.to(tl.float32)
+            tl.store(x_ptr + idx, acc.to(dtype), mask=mask)
+        _barrier(ptrs_ptr, pid, generation + 2, abort_ptr, RANK, WORLD, NUM_PROGRAMS)
+        tl.store(own_pad + pid, generation + 2)
+
+
+def peer_all_reduce(
+    x: torch.Tensor, ptrs: torch.Tensor, rank: int, world_size: int, max_programs: int = 0
+) -> None:
+    """Sum contiguous x over the ranks, in place; every rank calls it with the same shape.
+
+    ptrs: int64 on x's device, [2 * world_size + 1]: each rank's staging buffer (at least
+    x's bytes), each rank's pad (pad_words(world_size) int64 zeros), the abort word's address.
+    max_programs: at most this many programs (default and cap MAX_PROGRAMS).
+    """
+    numel = x.numel()
+    cap = min(max_programs, MAX_PROGRAMS) if max_programs > 0 else MAX_PROGRAMS
+    programs = min(triton.cdiv(numel, BLOCK), cap)
+    per_program = triton.cdiv(triton.cdiv(numel, programs), BLOCK) * BLOCK
+    programs = triton.cdiv(numel, per_program)
+    _peer_all_reduce_kernel[(programs,)](
+        x, ptrs, numel, per_program,
+        RANK=rank, WORLD=world_size, NUM_PROGRAMS=MAX_PROGRAMS, BLOCK=BLOCK,
+        ALIGNED=numel % 16 == 0, num_warps=8,
+    )  # fmt: skip

@@ -1,0 +1,153 @@
+"""The peer all-reduce kernel against its reference, on two GPUs: exact sums, the same bits on
+every rank, CUDA graph replays, and an abort that frees a rank whose peer never comes; and
+TensorParallel's choice between it and NCCL (CPU)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from nanopaged.distributed.parallel import PEER_ALL_REDUCE_BYTES, TensorParallel
+
+SIZES = (1, 5, 4095, 4097, 3 * 5120, 256 * 5120, PEER_ALL_REDUCE_BYTES // 4)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _inputs(rank: int, numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return (torch.randn(numel, generator=g) * 4).to(dtype)
+
+
+def _rank_main(rank: int, world: int, port: int, failures) -> None:
+    import torch.distributed as dist
+
+    from nanopaged.kernels.all_reduce import all_reduce_ref
+
+    try:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, device_id=device)  # fmt: skip
+        tp = TensorParallel(rank, world, dist.group.WORLD)
+        assert tp.enable_peer_all_reduce(device)
+        seed = 0
+        for dtype in DTYPES:
+            for numel in SIZES:
+                if numel * dtype.itemsize > PEER_ALL_REDUCE_BYTES:
+                    continue
+                seed += 1
+                x = _inputs(rank, numel, dtype, seed).to(device)
+                want = all_reduce_ref([_inputs(r, numel, dtype, seed) for r in range(world)])
+                assert tp.peer.fits(x)
+                tp.all_reduce(x)
+                got = x.cpu()
+                assert torch.equal(got, want), (dtype, numel)
+                # Every rank holds the same bits as rank 0 (a broadcast copies them as is).
+                theirs = got.to(device)
+                dist.broadcast(theirs, src=0)
+                assert torch.equal(theirs.cpu().view(torch.int16 if dtype.itemsize == 2 else
+                                                     torch.int32),
+                                   got.view(torch.int16 if dtype.itemsize == 2 else
+                                            torch.int32)), (dtype, numel)  # fmt: skip
+        # CUDA graphs: three sums captured, replayed with fresh inputs each time.
+        xs = [torch.empty(4096 * 3, dtype=torch.bfloat16, device=device) for _ in range(3)]
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.cuda.graph(graph):
+            for x in xs:
+                tp.all_reduce(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        for replay in range(5):
+            wants = []
+            for i, x in enumerate(xs):
+                s = 100 + 10 * replay + i
+                x.copy_(_inputs(rank, x.numel(), x.dtype, s))
+                wants.append(all_reduce_ref([_inputs(r, x.numel(), x.dtype, s)
+                                             for r in range(world)]))  # fmt: skip
+            graph.replay()
+            for x, want in zip(xs, wants):
+                assert torch.equal(x.cpu(), want), replay
+        # Rank 1 never joins this sum: rank 0's kernel waits until its abort word is set.
+        dist.barrier()
+        if rank == 0:
+            x = torch.ones(1000, device=device)
+            tp.all_reduce(x)
+            done = torch.cuda.Event()
+            done.record()
+            time.sleep(1.0)
+            assert not done.query()  # still waiting for the peer
+            t0 = time.monotonic()
+            tp.abort()
+            done.synchronize()
+            assert time.monotonic() - t0 < 5.0
+        tp.release()
+        dist.destroy_process_group()
+    except BaseException as e:
+        failures.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs at least 2 CUDA devices")
+def test_peer_all_reduce_two_gpus():
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    ctx = mp.get_context("spawn")
+    failures = ctx.SimpleQueue()
+    port = 29000 + os.getpid() % 1000
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, failures)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    errors = []
+    while not failures.empty():
+        errors.append(failures.get())
+    assert not alive, "a rank hung"
+    assert errors == [] and all(p.exitcode == 0 for p in procs), errors
+
+
+class _Peer:
+    """Stands in for PeerAllReduce: records the tensors it sums."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes, self.seen, self.aborted = max_bytes, [], False
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.numel() * x.element_size() <= self.max_bytes
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        self.seen.append(x)
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def test_small_sums_go_to_the_peer_path_large_ones_to_the_group(monkeypatch):
+    import torch.distributed as dist
+
+    nccl = []
+    monkeypatch.setattr(dist, "all_reduce", lambda x, group=None: nccl.append(x))
+    tp = TensorParallel(0, 2, None)
+    tp.peer = _Peer(max_bytes=1024)
+    small, large = torch.zeros(256), torch.zeros(257)
+    assert tp.all_reduce(small) is small and tp.all_reduce(large) is large
+    assert tp.peer.seen == [small] and nccl == [large]
+    tp.abort()
+    assert tp.peer.aborted
+    one = TensorParallel()
+    one.peer = _Peer(max_bytes=1024)
+    one.all_reduce(small)
+    assert one.peer.seen == []  # a single rank sums nothing
+
+
+def test_no_peer_path_on_cpu_or_one_rank():
+    assert not TensorParallel().enable_peer_all_reduce(torch.device("cpu"))
+    assert not TensorParallel(0, 2, None).enable_peer_all_reduce(torch.device("cpu"))
