@@ -29,8 +29,9 @@ from nanopaged.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
     CompletionOutput,
+    LazyLogprobs,
     RequestOutput,
-    to_logprobs,
+    TokenDecoder,
 )
 from nanopaged.sampling_params import BeamSearchParams, SamplingParams
 
@@ -532,9 +533,7 @@ class LLM:
                 seq.bad_words_token_ids = bad_words_token_ids(p.bad_words, self.tokenizer)
             groups.append(SequenceGroup(seq.request_id, seq))
         self.engine.run(groups, use_tqdm)
-        decoder = self._token_decoder(
-            [s.logprobs for g in groups for s in g.seqs if s.sampling_params.logprobs is not None]
-        )
+        decoder = self._token_decoder()
         outputs = [
             self._request_output(group, prompt, decoder)
             for group, prompt in zip(groups, prompt_list)
@@ -542,8 +541,7 @@ class LLM:
         for out, prompt_ids, p in zip(outputs, token_lists, params):
             if p.prompt_logprobs is not None:
                 entries, ranks = compute_prompt_logprobs(self.runner, prompt_ids, p.prompt_logprobs)
-                decoder = self._token_decoder([entries])
-                out.prompt_logprobs = [None, *to_logprobs(entries, ranks, decoder)]
+                out.prompt_logprobs = [None, *LazyLogprobs(entries, ranks, decoder)]
         return outputs
 
     def _with_max_tokens(self, p: SamplingParams, prompt_len: int) -> SamplingParams:
@@ -552,28 +550,23 @@ class LLM:
             return p
         return dataclasses.replace(p, max_tokens=max(1, self.max_model_len - prompt_len))
 
-    def _token_decoder(self, entries: list[list[dict[int, float]]]):
-        """token id -> its text, for Logprob.decoded_token (None without a tokenizer).
+    def _token_decoder(self) -> TokenDecoder | None:
+        """token ids -> their texts, for Logprob.decoded_token (None without a tokenizer).
 
-        entries: the logprob dicts about to be converted, whose tokens are decoded up front in
-        one batch.
+        Memoized for the LLM's life: an output with logprobs names k + 1 tokens per generated
+        token, mostly the same few thousand; those not seen before are decoded in one batch.
         """
-        if self.tokenizer is None:
+        # The outputs keep this decoder until they are read: it holds the tokenizer and the
+        # texts, never the LLM (and so its model and KV cache).
+        tokenizer, cache = self.tokenizer, self._decoded_tokens
+        if tokenizer is None:
             return None
-        # Memoized: an output with logprobs names k + 1 tokens per generated token, and one
-        # tokenizer call each would cost more than generating them.
-        cache = self._decoded_tokens
-        missing = {tok for per_seq in entries for d in per_seq for tok in d if tok not in cache}
-        if missing:
-            ids = list(missing)
-            texts = decode_batch(self.tokenizer, [[tok] for tok in ids], False)
-            cache.update(zip(ids, texts))
 
-        def decode(token: int) -> str:
-            text = cache.get(token)
-            if text is None:
-                text = cache[token] = self.tokenizer.decode([token])
-            return text
+        def decode(token_ids: list[int]) -> list[str]:
+            missing = [tok for tok in set(token_ids) if tok not in cache]
+            if missing:
+                cache.update(zip(missing, decode_batch(tokenizer, [[t] for t in missing], False)))
+            return [cache[tok] for tok in token_ids]
 
         return decode
 
@@ -631,15 +624,13 @@ class LLM:
             self._request_counter += 1
             groups.append(SequenceGroup(seq.request_id, seq, beam_params=params))
         self.engine.run(groups, use_tqdm)
-        decoder = self._token_decoder(
-            [h.logprobs for group in groups for h in group.completed_beams]
-        )
+        decoder = self._token_decoder()
         return [
             BeamSearchOutput(
                 sequences=[
                     BeamSearchSequence(
                         tokens=list(ids) + h.token_ids,
-                        logprobs=to_logprobs(h.logprobs, h.logprob_ranks, decoder),
+                        logprobs=LazyLogprobs(h.logprobs, h.logprob_ranks, decoder),
                         cum_logprob=h.cumulative_logprob,
                         text=self._decode(list(ids) + h.token_ids, skip_special_tokens=True),
                         finish_reason=h.finish_reason,
@@ -663,7 +654,7 @@ class LLM:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def _completion(self, seq: Sequence, decoder) -> CompletionOutput:
+    def _completion(self, seq: Sequence, decoder: TokenDecoder | None) -> CompletionOutput:
         p = seq.sampling_params
         text = getattr(seq, "text", None)
         if text is None:
@@ -675,15 +666,15 @@ class LLM:
             token_ids=seq.output_token_ids,
             cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
             logprobs=(
-                to_logprobs(seq.logprobs, seq.logprob_ranks, decoder)
-                if with_logprobs
-                else None
+                LazyLogprobs(seq.logprobs, seq.logprob_ranks, decoder) if with_logprobs else None
             ),
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )
 
-    def _request_output(self, group: SequenceGroup, prompt: PromptType, decoder) -> RequestOutput:
+    def _request_output(
+        self, group: SequenceGroup, prompt: PromptType, decoder: TokenDecoder | None
+    ) -> RequestOutput:
         first = min(group.seqs, key=lambda s: s.index)
         return RequestOutput(
             request_id=group.request_id,

@@ -147,19 +147,31 @@ def test_stop_string_in_a_multibyte_character_waits_for_it(byte_tokenizer):
     assert found[0] == (3, 1)
 
 
-def test_token_decoder_decodes_logprob_tokens_up_front(byte_tokenizer):
+def test_token_decoder_decodes_new_tokens_once_in_a_batch(byte_tokenizer, monkeypatch):
+    import nanopaged.llm
     from nanopaged.llm import LLM
 
-    tok = copy.deepcopy(byte_tokenizer)
+    tok = byte_tokenizer
     llm = LLM.__new__(LLM)  # only the tokenizer and its cache are used
     llm.tokenizer, llm._decoded_tokens = tok, {}
+    batches = []
+
+    def spy(tokenizer, token_lists, skip_special_tokens):
+        batches.append(token_lists)
+        return decode_batch(tokenizer, token_lists, skip_special_tokens)
+
+    monkeypatch.setattr(nanopaged.llm, "decode_batch", spy)
     rng = random.Random(3)
-    entries = [[{t: -1.0 for t in _random_ids(tok, rng, 6)} for _ in range(20)] for _ in range(3)]
-    entries[0][0][tok.eos_token_id] = -2.0
-    calls = []
-    decode = tok.decode
-    tok.decode = lambda *a, **k: calls.append(a) or decode(*a, **k)
-    decoder = llm._token_decoder(entries)
-    tokens = {t for per_seq in entries for d in per_seq for t in d}
-    assert {t: decoder(t) for t in tokens} == {t: decode([t]) for t in tokens}
-    assert calls == []  # no per-token call once the batch is decoded
+    ids = _random_ids(tok, rng, 40) + [tok.eos_token_id] * 2
+    ids += ids[:5]  # repeated tokens
+    decoder = llm._token_decoder()
+    assert decoder(ids) == [tok.decode([t]) for t in ids]
+    assert len(batches) == 1 and sorted(t for [t] in batches[0]) == sorted(set(ids))
+    # Memoized across calls and decoders: only tokens not seen before are decoded.
+    more = ids[:10] + [t for t in range(len(tok)) if t not in ids][:3]
+    assert llm._token_decoder()(more) == [tok.decode([t]) for t in more]
+    assert len(batches) == 2 and sorted(t for [t] in batches[1]) == sorted(more[10:])
+    assert llm._token_decoder()(ids) == [tok.decode([t]) for t in ids]
+    assert len(batches) == 2
+    llm.tokenizer = None
+    assert llm._token_decoder() is None
