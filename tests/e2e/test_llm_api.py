@@ -81,6 +81,41 @@ def test_stop_strings(llm):
     assert llm.block_manager.num_free_blocks == free
 
 
+def test_logprobs_are_made_when_read(llm, monkeypatch):
+    """generate and beam_search hand back logprobs whose Logprob objects and token texts are
+    made for a position when it is first read."""
+    import pickle
+
+    import nanopaged.outputs
+    from nanopaged import BeamSearchParams, Logprob
+
+    made = []
+
+    class SpyLogprob(Logprob):
+        def __init__(self, *args, **kwargs):
+            made.append(args)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(nanopaged.outputs, "Logprob", SpyLogprob)
+    p = SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=12, logprobs=3, ignore_eos=True)
+    outs = llm.generate(["abc", "hello"], p, use_tqdm=False)
+    beams = llm.beam_search([{"prompt_token_ids": [1, 2, 3]}], BeamSearchParams(2, 5))
+    assert made == []
+    c = outs[1].outputs[1]
+    last = c.logprobs[-1]
+    assert len(made) == len(last) and c.token_ids[-1] in last and len(last) in (3, 4)
+    assert all(lp.decoded_token == llm.tokenizer.decode([t]) for t, lp in last.items())
+    assert sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs)) == pytest.approx(
+        c.cumulative_logprob, abs=1e-4
+    )
+    best = beams[0].sequences[0]
+    assert [list(d) for d in best.logprobs] == [[t] for t in best.tokens[3:]]
+    monkeypatch.undo()  # a class local to this test does not pickle
+    again = llm.generate(["abc", "hello"], p, use_tqdm=False)
+    # Logprob equality compares decoded_token too: the texts travel without the tokenizer.
+    assert pickle.loads(pickle.dumps(again)) == again
+
+
 def test_eos_and_min_tokens(model_dir, tmp_path):
     # Make the greedy first token the model's EOS, then check stop / ignore / min_tokens.
     probe = LLM(str(model_dir), kv_cache_memory=1 << 22)
