@@ -16,6 +16,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from nanopaged.distributed.parallel import PEER_ALL_REDUCE_ENV  # noqa: E402
+
 ROWS = (1, 8, 64, 256, 1024)
 CALLS = 20  # sums per graph
 
@@ -49,8 +51,8 @@ def rank_main(rank: int, world: int, hidden: int, sweep: bool) -> None:
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29561", rank=rank,
-                            world_size=world, device_id=device)  # fmt: skip
+    store = dist.TCPStore("127.0.0.1", 29561, world, is_master=rank == 0)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=device)
     tp = TensorParallel(rank, world, dist.group.WORLD)
     assert tp.enable_peer_all_reduce(device), "no peer access between the GPUs"
     lines = []
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ[PEER_ALL_REDUCE_ENV] = "1"
     mp.spawn(rank_main, args=(args.world, args.hidden, args.sweep), nprocs=args.world)
 
 

@@ -9,8 +9,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# On CUDA, sums of up to this many bytes (every decode step's, small prefill chunks') go
-# through PeerAllReduce; larger ones through NCCL. NANOPAGED_PEER_ALL_REDUCE=0: NCCL only.
+# With NANOPAGED_PEER_ALL_REDUCE=1 on CUDA, sums of up to this many bytes (every decode
+# step's, small prefill chunks') go through PeerAllReduce, larger ones through NCCL. Off by
+# default: a worker failure under CUDA graphs after an earlier peer-path LLM in the same
+# process has not been shown to end without a hang yet (see the README).
 PEER_ALL_REDUCE_BYTES = 16 * 2**20
 PEER_ALL_REDUCE_ENV = "NANOPAGED_PEER_ALL_REDUCE"
 
@@ -33,11 +35,10 @@ class TensorParallel:
         """Collective: sum small tensors through peer memory from now on, if every rank can
         (CUDA, peer access between every pair of GPUs, torch's symmetric memory); whether
         it is on."""
-        if self.size == 1 or device.type != "cuda":
+        # The environment is the same on every rank (workers inherit it): no collective yet.
+        if self.size == 1 or device.type != "cuda" or os.environ.get(PEER_ALL_REDUCE_ENV) != "1":
             return False
-        able = os.environ.get(PEER_ALL_REDUCE_ENV, "1") != "0" and PeerAllReduce.supported(
-            self.size
-        )
+        able = not PeerAllReduce.used_in_process and PeerAllReduce.supported(self.size)
         if self.min_over_ranks(int(able)):
             self.peer = PeerAllReduce(self, device, PEER_ALL_REDUCE_BYTES)
         return self.peer is not None
@@ -116,7 +117,8 @@ class TensorParallel:
 
 class PeerAllReduce:
     """Staging buffers and signal pads that every rank can address, for the one-kernel sum in
-    nanopaged.kernels.all_reduce (about a third of NCCL's time at decode sizes on NVLink).
+    nanopaged.kernels.all_reduce: 0.55-0.8x of NCCL's time from 1 to 1024 rows of 5120 bf16
+    on two NVLinked H200s (benchmarks/all_reduce_bench.py).
 
     Allocated through torch's symmetric memory, which maps each rank's allocation into the
     others' address space (peer access); NVLink multicast is never used and is switched off
@@ -124,6 +126,10 @@ class PeerAllReduce:
     """
 
     DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+    # Symmetric memory keeps a group's set-up under the group's name for the life of the
+    # process, and a later LLM's process group gets the same name: only the first
+    # tensor-parallel LLM of a process takes this path, later ones use NCCL.
+    used_in_process = False
 
     @staticmethod
     def supported(size: int) -> bool:
@@ -150,6 +156,7 @@ class PeerAllReduce:
 
         from nanopaged.kernels.all_reduce import pad_words
 
+        PeerAllReduce.used_in_process = True
         self.rank, self.size, self.max_bytes = tp.rank, tp.size, max_bytes
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         self.pad = symm_mem.empty(pad_words(tp.size), dtype=torch.int64, device=device)

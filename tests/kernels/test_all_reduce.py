@@ -11,7 +11,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from nanopaged.distributed.parallel import PEER_ALL_REDUCE_BYTES, TensorParallel
+from nanopaged.distributed.parallel import (
+    PEER_ALL_REDUCE_BYTES,
+    PEER_ALL_REDUCE_ENV,
+    TensorParallel,
+)
 
 SIZES = (1, 5, 4095, 4097, 3 * 5120, 256 * 5120, PEER_ALL_REDUCE_BYTES // 4)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -30,8 +34,9 @@ def _rank_main(rank: int, world: int, port: int, failures) -> None:
     try:
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, device_id=device)  # fmt: skip
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world,
+                                device_id=device)  # fmt: skip
         tp = TensorParallel(rank, world, dist.group.WORLD)
         assert tp.enable_peer_all_reduce(device)
         seed = 0
@@ -94,8 +99,10 @@ def _rank_main(rank: int, world: int, port: int, failures) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs at least 2 CUDA devices")
-def test_peer_all_reduce_two_gpus():
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+def test_peer_all_reduce_two_gpus(monkeypatch):
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", os.environ.get(
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"))  # fmt: skip
+    monkeypatch.setenv(PEER_ALL_REDUCE_ENV, "1")  # the spawned ranks inherit it
     ctx = mp.get_context("spawn")
     failures = ctx.SimpleQueue()
     port = 29000 + os.getpid() % 1000
@@ -148,6 +155,10 @@ def test_small_sums_go_to_the_peer_path_large_ones_to_the_group(monkeypatch):
     assert one.peer.seen == []  # a single rank sums nothing
 
 
-def test_no_peer_path_on_cpu_or_one_rank():
+def test_no_peer_path_on_cpu_one_rank_or_by_default(monkeypatch):
+    monkeypatch.setenv(PEER_ALL_REDUCE_ENV, "1")
     assert not TensorParallel().enable_peer_all_reduce(torch.device("cpu"))
     assert not TensorParallel(0, 2, None).enable_peer_all_reduce(torch.device("cpu"))
+    monkeypatch.delenv(PEER_ALL_REDUCE_ENV)
+    # Off unless asked for: returns before any collective (group None would fail one).
+    assert not TensorParallel(0, 2, None).enable_peer_all_reduce(torch.device("cuda"))
