@@ -630,7 +630,7 @@ class LLM:
                 sequences=[
                     BeamSearchSequence(
                         tokens=list(ids) + h.token_ids,
-                        logprobs=LazyLogprobs(h.logprobs, h.logprob_ranks, decoder),
+                        logprobs=LazyLogprobs.from_rows(h.logprobs, decoder),
                         cum_logprob=h.cumulative_logprob,
                         text=self._decode(list(ids) + h.token_ids, skip_special_tokens=True),
                         finish_reason=h.finish_reason,
@@ -665,9 +665,7 @@ class LLM:
             text=text,
             token_ids=seq.output_token_ids,
             cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
-            logprobs=(
-                LazyLogprobs(seq.logprobs, seq.logprob_ranks, decoder) if with_logprobs else None
-            ),
+            logprobs=LazyLogprobs.from_rows(seq.logprobs, decoder) if with_logprobs else None,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )

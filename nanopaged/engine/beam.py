@@ -44,24 +44,24 @@ def beam_search_step(
     """
     params = group.beam_params
     assert len(results) == len(group.seqs), "every live beam must step together"
-    candidates: list[tuple[float, Sequence, int, float, int]] = []
+    # (cumulative logprob, beam, its output, candidate j of the output)
+    candidates: list[tuple[float, Sequence, SampleOutput, int]] = []
     for seq, out in results:
         assert out.logprobs is not None
-        # Candidates come best first: a candidate's rank is its place among them.
-        for rank, (token, logprob) in enumerate(zip(out.token_ids, out.logprobs), start=1):
+        # Candidates come best first: out.position(j) ranks candidate j by that place.
+        for j, (token, logprob) in enumerate(zip(out.token_ids, out.logprobs)):
             cum = seq.cumulative_logprob + logprob
             if token in eos_token_ids and not params.ignore_eos:
                 group.completed_beams.append(
                     BeamHypothesis(
                         token_ids=seq.output_token_ids + [token],
                         cumulative_logprob=cum,
-                        logprobs=seq.logprobs + [{token: logprob}],
-                        logprob_ranks=seq.logprob_ranks + [{token: rank}],
+                        logprobs=seq.logprobs + [(out, j)],
                         finish_reason="stop",
                     )
                 )
             else:
-                candidates.append((cum, seq, token, logprob, rank))
+                candidates.append((cum, seq, out, j))
     # Stable sort: ties keep beam order, then each beam's candidate order.
     candidates.sort(key=lambda c: c[0], reverse=True)
     chosen = candidates[: params.beam_width]
@@ -70,7 +70,7 @@ def beam_search_step(
     # before any parent takes its new token, so a child copies the parent's past only.
     claimed: set[int] = set()
     holders: list[Sequence] = []
-    for _, seq, _, _, _ in chosen:
+    for _, seq, _, _ in chosen:
         if seq.seq_id in claimed:
             child = seq.fork()
             block_manager.fork(seq, child)
@@ -79,11 +79,10 @@ def beam_search_step(
         else:
             claimed.add(seq.seq_id)
             holders.append(seq)
-    for holder, (_, _, token, logprob, rank) in zip(holders, chosen):
-        holder.token_ids.append(token)
-        holder.cumulative_logprob += logprob
-        holder.logprobs.append({token: logprob})
-        holder.logprob_ranks.append({token: rank})
+    for holder, (_, _, out, j) in zip(holders, chosen):
+        holder.token_ids.append(out.token_ids[j])
+        holder.cumulative_logprob += out.logprobs[j]
+        holder.logprobs.append((out, j))
     for seq in group.seqs:
         if seq.seq_id not in claimed:
             block_manager.free(seq)
@@ -100,7 +99,6 @@ def finalize_beams(group: SequenceGroup, block_manager: BlockManager) -> None:
                 token_ids=seq.output_token_ids,
                 cumulative_logprob=seq.cumulative_logprob,
                 logprobs=list(seq.logprobs),
-                logprob_ranks=list(seq.logprob_ranks),
                 finish_reason="length",
             )
         )

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nanopaged.engine.sequence import Sequence, SequenceStatus
 from nanopaged.sampling_params import BeamSearchParams
+
+if TYPE_CHECKING:
+    from nanopaged.outputs import LogprobRows
 
 
 @dataclass
@@ -14,8 +18,8 @@ class BeamHypothesis:
 
     token_ids: list[int]
     cumulative_logprob: float
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    logprob_ranks: list[dict[int, int]] = field(default_factory=list)
+    # Per token, where its raw logprobs are kept (see Sequence.logprobs).
+    logprobs: list[tuple[LogprobRows, int]] = field(default_factory=list)
     finish_reason: str = "length"  # "stop" when it ended with EOS
 
 

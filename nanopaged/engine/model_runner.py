@@ -15,7 +15,7 @@ from nanopaged.distributed.parallel import TensorParallel, local_kv_heads
 from nanopaged.engine.block_tables import BlockTableBuilder
 from nanopaged.engine.cuda_graph import DecodeGraphs
 from nanopaged.engine.host_memory import keep_freed_memory
-from nanopaged.engine.sample_output import RowLogprobs, SampleOutput
+from nanopaged.engine.sample_output import SampleOutput, StepLogprobs
 from nanopaged.engine.sampling import (
     mask_early_stops,
     needs_sample_outputs,
@@ -55,7 +55,7 @@ class StepHandle:
         self._host: list[torch.Tensor] = []
         self._event: torch.cuda.Event | None = None
         self._logprob_widths: list[int | None] | None = None
-        self._logprobs: list[RowLogprobs | None] | None = None
+        self._logprobs: StepLogprobs | None = None
 
     @classmethod
     def copy_to_host(
@@ -94,27 +94,25 @@ class StepHandle:
             self.outputs = self._host[0].tolist()
         return self.outputs
 
-    def logprobs(self) -> list[RowLogprobs | None] | None:
-        """Per sampled row of a plain step: (its token's raw logprob, the top-k logprobs plus
-        its own, their ranks), or None for a row that did not ask; None for the whole step
-        when no row did."""
+    def logprobs(self) -> StepLogprobs | None:
+        """The raw logprobs of a plain step's sampled rows, kept whole as host arrays for the
+        rows to refer to; None when no row asked for them."""
         if self._logprob_widths is None:
             return None
         if self._logprobs is None:
             tokens = self.result()
-            picked, top_v, top_i, ranks = (t.tolist() for t in self._host[1:])
-            rows: list[RowLogprobs | None] = []
-            for r, want in enumerate(self._logprob_widths):
-                if want is None:
-                    rows.append(None)
-                    continue
-                top = dict(zip(top_i[r][:want], top_v[r][:want]))
-                rank = {t: j + 1 for j, t in enumerate(top_i[r][:want])}
-                top[tokens[r]] = picked[r]
-                rank[tokens[r]] = ranks[r]
-                rows.append((picked[r], top, rank))
-            self._logprobs = rows
+            picked, top_v, top_i, ranks = self._host[1:]
+            # Copies: pinned buffers go back to their pool; a CPU step's may be views of more.
+            self._logprobs = StepLogprobs(
+                tokens,
+                picked.tolist(),
+                top_v.numpy().copy(),
+                top_i.numpy().copy(),
+                ranks.numpy().copy(),
+                self._logprob_widths,
+            )
         return self._logprobs
+
 
 def kv_bytes_per_block(
     model_config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None

@@ -1,12 +1,15 @@
-"""What the runner hands back per sampled sequence when a plain token id is not enough."""
+"""What the runner hands back per sampled sequence when a plain token id is not enough, and the
+raw logprobs of a plain step, kept whole for its rows to refer to."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-# A plain step's raw logprobs for one row: the sampled token's, the top-k plus the sampled
-# token's {id: logprob}, and their 1-based ranks {id: rank}.
-RowLogprobs = tuple[float, dict[int, float], dict[int, int]]
+if TYPE_CHECKING:
+    import numpy as np
+
+    from nanopaged.outputs import RawLogprobs
 
 
 @dataclass
@@ -23,3 +26,66 @@ class SampleOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
     top_ranks: list[dict[int, int]] | None = None
+
+    def position(self, j: int) -> RawLogprobs:
+        """Token j's raw logprobs as a sequence that took it records them: its top_logprobs
+        and top_ranks; a beam candidate (no top_logprobs) alone, ranked by its place among
+        the candidates (they come best first)."""
+        if self.top_logprobs is not None:
+            top = self.top_logprobs[j]
+            rank_of = {} if self.top_ranks is None else self.top_ranks[j]
+            tokens = list(top)
+            return tokens, list(top.values()), [rank_of.get(t) for t in tokens]
+        assert self.logprobs is not None, "a token without logprobs has no position"
+        return [self.token_ids[j]], [self.logprobs[j]], [j + 1]
+
+
+class StepLogprobs:
+    """A plain step's raw logprobs on the host, shared by all its sampled rows.
+
+    Each sequence records (this, its row) per generated token; a row's dicts are made only when
+    an output reads that position (see LazyLogprobs). token_ids and logprobs are the per-row
+    lists the step's bookkeeping reads anyway (its tokens, the cumulative logprobs).
+    """
+
+    __slots__ = ("token_ids", "logprobs", "top_logprobs", "top_token_ids", "ranks", "widths")
+
+    def __init__(
+        self,
+        token_ids: list[int],
+        logprobs: list[float],
+        top_logprobs: np.ndarray,
+        top_token_ids: np.ndarray,
+        ranks: np.ndarray,
+        widths: list[int | None],
+    ) -> None:
+        """token_ids: the sampled tokens; logprobs: their raw logprobs (Python floats of the
+        fp32 values); top_logprobs: [rows, k] fp32 and top_token_ids: [rows, k] int64, each
+        row's top-k best first; ranks: [rows] int64, each sampled token's 1-based rank;
+        widths: per row, the k it asked for (None: no logprobs)."""
+        self.token_ids = token_ids
+        self.logprobs = logprobs
+        self.top_logprobs = top_logprobs
+        self.top_token_ids = top_token_ids
+        self.ranks = ranks
+        self.widths = widths
+
+    def position(self, row: int) -> RawLogprobs:
+        """Row's top-k (its width of them, ranked 1..width) plus its sampled token, which
+        keeps its place in the top-k if it is there and takes its own logprob and its rank
+        over the whole vocabulary."""
+        width = self.widths[row]
+        tokens = self.top_token_ids[row].tolist()
+        logprobs = self.top_logprobs[row].tolist()
+        if width < len(tokens):
+            del tokens[width:], logprobs[width:]
+        ranks: list[int | None] = list(range(1, len(tokens) + 1))
+        token = self.token_ids[row]
+        if token in tokens:
+            j = tokens.index(token)
+            logprobs[j], ranks[j] = self.logprobs[row], self.ranks.item(row)
+        else:
+            tokens.append(token)
+            logprobs.append(self.logprobs[row])
+            ranks.append(self.ranks.item(row))
+        return tokens, logprobs, ranks

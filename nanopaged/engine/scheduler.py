@@ -9,7 +9,7 @@ from nanopaged.config import PREEMPTION_MODES
 from nanopaged.engine.beam import beam_search_step, finalize_beams
 from nanopaged.engine.block_manager import BlockManager
 from nanopaged.engine.group import SequenceGroup
-from nanopaged.engine.sample_output import RowLogprobs, SampleOutput
+from nanopaged.engine.sample_output import SampleOutput, StepLogprobs
 from nanopaged.engine.sequence import Sequence, SequenceStatus
 
 # Stands for a sampled token that is still on the device (asynchronous scheduling).
@@ -275,36 +275,33 @@ class Scheduler:
         self,
         batch: ScheduledBatch,
         sampled: list[int] | list[SampleOutput],
-        logprobs: list[RowLogprobs | None] | None = None,
+        logprobs: StepLogprobs | None = None,
     ) -> StepOutput:
         """Advance computed counts, append sampled tokens (forking and stepping beams), finish
         sequences.
 
         `sampled` holds, in batch order, a token id or a SampleOutput for each sequence of the
-        batch that samples; `logprobs`, beside plain token ids, each row's raw logprobs.
+        batch that samples; `logprobs`, beside plain token ids, the rows' raw logprobs.
         """
         bm = self.block_manager
         step = StepOutput()
-        outputs = iter(sampled)
-        row_logprobs = iter(logprobs) if logprobs is not None else None
+        row = 0  # of sampled (and logprobs): the next sampling sequence's
         beam_results: dict[int, list[tuple[Sequence, SampleOutput]]] = {}
         for i, seq in enumerate(batch.seqs):
             samples = batch.samples(i)
             if seq.is_finished:  # ended while this step was in flight: drop its sample
-                if samples:
-                    next(outputs)
-                    if row_logprobs is not None:
-                        next(row_logprobs)
+                row += samples
                 continue
             seq.num_computed_tokens += batch.num_scheduled_tokens[i]
             bm.cache_full_blocks(seq)
             if not samples:
                 continue
-            out = next(outputs)
+            out = sampled[row]
+            row += 1
             if not isinstance(out, SampleOutput):  # a plain token id
                 seq.token_ids.append(out)
-                if row_logprobs is not None:
-                    _append_logprobs(seq, next(row_logprobs))
+                if logprobs is not None:
+                    _append_logprobs(seq, logprobs, row - 1)
                 step.grown.append(seq)
                 self._finish_if_stopped(seq, step)
                 continue
@@ -382,7 +379,7 @@ class Scheduler:
         self,
         batch: ScheduledBatch,
         sampled: list[int],
-        logprobs: list[RowLogprobs | None] | None = None,
+        logprobs: StepLogprobs | None = None,
     ) -> StepOutput:
         """Append an advanced step's sampled tokens (and their logprobs) to the sequences
         waiting for them; finish sequences that stop. A sequence that finished while the step
@@ -394,7 +391,7 @@ class Scheduler:
             row, seq.pending_row = seq.pending_row, None
             seq.token_ids.append(sampled[row])
             if logprobs is not None:
-                _append_logprobs(seq, logprobs[row])
+                _append_logprobs(seq, logprobs, row)
             step.grown.append(seq)
             self._finish_if_stopped(seq, step)
         return step
@@ -471,12 +468,12 @@ def _reset_for_recompute(seq: Sequence) -> None:
     seq.num_preemptions += 1
 
 
-def _append_logprobs(seq: Sequence, row: RowLogprobs | None) -> None:
-    if row is not None:
-        picked, top, ranks = row
-        seq.cumulative_logprob += picked
-        seq.logprobs.append(top)
-        seq.logprob_ranks.append(ranks)
+def _append_logprobs(seq: Sequence, logprobs: StepLogprobs, row: int) -> None:
+    """Record row's logprobs for seq's newest token (when it asked for them): the step's
+    rows are kept whole and only read when an output is, so this is all a step costs."""
+    if logprobs.widths[row] is not None:
+        seq.cumulative_logprob += logprobs.logprobs[row]
+        seq.logprobs.append((logprobs, row))
 
 
 def _append(seq: Sequence, out: SampleOutput, j: int) -> None:
@@ -485,6 +482,4 @@ def _append(seq: Sequence, out: SampleOutput, j: int) -> None:
     if out.logprobs is not None:
         seq.cumulative_logprob += out.logprobs[j]
     if out.top_logprobs is not None:
-        seq.logprobs.append(out.top_logprobs[j])
-    if out.top_ranks is not None:
-        seq.logprob_ranks.append(out.top_ranks[j])
+        seq.logprobs.append((out, j))

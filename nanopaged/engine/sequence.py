@@ -11,6 +11,7 @@ from nanopaged.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from nanopaged.engine.group import SequenceGroup
     from nanopaged.engine.output_processor import IncrementalDetokenizer
+    from nanopaged.outputs import LogprobRows
 
 
 class SequenceStatus(enum.Enum):
@@ -53,11 +54,11 @@ class Sequence:
         # The request's seed (its own, or one the LLM drew): sample `index` draws its tokens
         # from the stream of (seed, index), keyed by output position.
         self.seed = 0
-        # Sum of the sampled tokens' logprobs, and per token the top logprobs (when asked).
+        # Sum of the sampled tokens' logprobs, and per token where its raw logprobs (top-k,
+        # ranks) are kept: (the step's or SampleOutput's rows, its row), read only when an
+        # output is (see LazyLogprobs.from_rows).
         self.cumulative_logprob = 0.0
-        self.logprobs: list[dict[int, float]] = []
-        # Per token of logprobs: token -> its 1-based rank in the raw distribution.
-        self.logprob_ranks: list[dict[int, int]] = []
+        self.logprobs: list[tuple[LogprobRows, int]] = []
         # A request's bad_words as token ids (see logits_processors.bad_words_token_ids).
         self.bad_words_token_ids: list[list[int]] = []
         # Set while this sequence's newest token is a sample still on the device (asynchronous
@@ -75,9 +76,8 @@ class Sequence:
         child.token_ids = list(self.token_ids)
         child.block_table = []
         child.block_hashes = list(self.block_hashes)
-        child.logprobs = list(self.logprobs)
+        child.logprobs = list(self.logprobs)  # references: the rows themselves are shared
         child.detokenizer = None
-        child.logprob_ranks = list(self.logprob_ranks)
         return child
 
     def __len__(self) -> int:
