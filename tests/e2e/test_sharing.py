@@ -209,6 +209,40 @@ def test_swap_preemption_matches_unconstrained(llama, device):
         del llm
 
 
+def test_logprobs_survive_recompute_preemption(llama):
+    """A sequence preempted by recompute keeps the logprobs of the tokens it had: a pool far
+    too small gives the logprobs (and their sums) of an unconstrained one."""
+    prompts = _prompts([2, 9, 17, 30], seed=3) + [list(range(i, i + 30)) for i in range(0, 200, 40)]
+    kinds = [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=24, ignore_eos=True, logprobs=1),
+        SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=24, ignore_eos=True, logprobs=2),
+    ]
+    params = [kinds[i % 3] for i in range(len(prompts))]
+    common = dict(block_size=8, dtype="float32", max_model_len=96)
+    ref = LLM(str(llama), kv_cache_memory=1 << 22, **common)
+    expected = ref.generate(prompts, params, use_tqdm=False)
+    per_block = ref.runner.kv_bytes_per_block
+    del ref
+    need = sum(-(-(len(p) + 24) // 8) for p in prompts)
+    llm = LLM(str(llama), kv_cache_memory=per_block * (need // 4), **common)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.scheduler.num_preemptions > 0
+    for e, g in zip(expected, got):
+        assert len(g.outputs) == len(e.outputs)
+        for ce, cg in zip(e.outputs, g.outputs):
+            assert cg.token_ids == ce.token_ids
+            assert len(cg.logprobs) == len(cg.token_ids) == 24
+            for de, dg in zip(ce.logprobs, cg.logprobs):
+                assert [(t, v.rank) for t, v in dg.items()] == [(t, v.rank) for t, v in de.items()]
+                assert [v.logprob for v in dg.values()] == pytest.approx(
+                    [v.logprob for v in de.values()], abs=1e-5
+                )
+            assert cg.cumulative_logprob == pytest.approx(ce.cumulative_logprob, abs=1e-4)
+            chosen = [d[t].logprob for t, d in zip(cg.token_ids, cg.logprobs)]
+            assert cg.cumulative_logprob == sum(chosen)  # the same additions, in order
+
+
 def test_preemption_settings_are_checked(llama):
     with pytest.raises(ValueError, match="preemption_mode must be one of 'recompute', 'swap'"):
         LLM(str(llama), kv_cache_memory=1 << 22, preemption_mode="offload")
