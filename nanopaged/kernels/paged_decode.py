@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,20 @@ class DecodePlan:
     # context but before num_tokens, zeroed after the gather; None with valid
     stale: torch.Tensor | None
     empty: torch.Tensor | None  # [batch] bool, contexts of length 0; None when there are none
+    # valid as SDPA's additive mask (0 / -inf) per dtype, made by the first layer that asks:
+    # SDPA would otherwise convert the bool mask in every layer
+    _additive: dict = field(default_factory=dict, repr=False)
+
+    def attn_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """valid as an additive mask in dtype (what SDPA makes of a bool mask), or None."""
+        if self.valid is None:
+            return None
+        mask = self._additive.get(dtype)
+        if mask is None:
+            mask = torch.zeros(self.valid.shape, dtype=dtype, device=self.valid.device)
+            mask.masked_fill_(~self.valid, float("-inf"))
+            self._additive[dtype] = mask
+        return mask
 
 
 def decode_plan(
@@ -121,7 +135,7 @@ def paged_decode_ref(
         kv.append(x.transpose(1, 2))
     # qg: [batch, num_kv_heads, group, head_dim]
     qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(qg, *kv, attn_mask=plan.valid, scale=scale)
+    out = F.scaled_dot_product_attention(qg, *kv, attn_mask=plan.attn_mask(q.dtype), scale=scale)
     out = out.reshape(batch, num_heads, head_dim)
     if plan.empty is not None:  # no key at all: softmax over nothing is NaN, the kernel's 0
         out = out.masked_fill(plan.empty[:, None, None], 0.0)

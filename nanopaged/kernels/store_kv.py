@@ -32,16 +32,19 @@ def store_kv_ref(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    may_skip: bool = True,
 ) -> None:
     """Torch reference: key/value [N, num_kv_heads, head_dim] into the caches (-1 skips).
 
     An fp8 cache stores key / k_scale and value / v_scale ([1] fp32 tensors), clamped.
+    may_skip=False: the caller knows no slot is -1, so the check (a read back of the slots,
+    once per layer on CPU) is left out.
     """
     # k_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     #       -> [num_slots, num_kv_heads, head_dim]
     num_kv_heads, head_dim = k_cache.shape[-2:]
     slots = slot_mapping.long()
-    if bool((slots < 0).any()):
+    if may_skip and bool((slots < 0).any()):
         keep = torch.nonzero(slots >= 0).flatten()
         slots, key, value = slots[keep], key[keep], value[keep]
     if is_fp8(k_cache.dtype):

@@ -32,6 +32,8 @@ class AttentionMetadata:
     cu_seqlens_prefill: torch.Tensor | None = None
     # CPU decode: the gather plan shared by every layer of the step, built by the first.
     decode_plan: paged_decode.DecodePlan | None = None
+    # CPU: whether some slot is -1 (a token not to store), found by the first layer.
+    skips_slots: bool | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -67,7 +69,11 @@ class Attention(UsesBackend, nn.Module):
         if self.backend.triton:
             store_kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
             return gpu_attention(q, k, v, k_cache, v_cache, meta, self.scale, **scales)
-        store_kv.store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
+        if meta.skips_slots is None:
+            meta.skips_slots = bool((meta.slot_mapping < 0).any())
+        store_kv.store_kv_ref(
+            k, v, k_cache, v_cache, meta.slot_mapping, **scales, may_skip=meta.skips_slots
+        )
         args = (q, k_cache, v_cache, meta.block_tables)
         if meta.is_decode:
             if meta.decode_plan is None:

@@ -88,6 +88,33 @@ def test_store_kv_ref_skips_negative_slots():
     assert flat.abs().sum() == key[0].sum() + key[2].sum()
 
 
+@pytest.mark.parametrize("slots", [[3, -1, 9], [3, 4, 9]])
+def test_attention_layer_checks_skipped_slots_once_per_step(slots):
+    from nanopaged.layers.attention import Attention, AttentionMetadata
+
+    layers = [Attention(num_heads=2, head_dim=4, num_kv_heads=1, scale=0.5) for _ in range(2)]
+    for layer in layers:
+        layer.k_cache = torch.zeros(2, BLOCK_SIZE, 1, 4)
+        layer.v_cache = torch.zeros(2, BLOCK_SIZE, 1, 4)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        block_tables=torch.tensor([[0, 1]] * 3, dtype=torch.int32),
+        context_lens=torch.tensor([4, 1, 10], dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, 1, 2, 3], dtype=torch.int32), max_seqlen_q=1,
+        max_context_len=10,
+    )  # fmt: skip
+    key = torch.arange(1.0, 13.0).view(3, 1, 4)
+    for layer in layers:  # the second layer reuses the first one's finding
+        layer(torch.ones(3, 2, 4), key, -key, meta)
+        flat = layer.k_cache.view(-1, 1, 4)
+        stored = [i for i, slot in enumerate(slots) if slot >= 0]
+        assert meta.skips_slots == (len(stored) < len(slots))
+        assert flat.abs().sum() == key[stored].sum()
+        for i in stored:
+            assert torch.equal(flat[slots[i]], key[i])
+            assert torch.equal(layer.v_cache.view(-1, 1, 4)[slots[i]], -key[i])
+
+
 @pytest.mark.parametrize("lens", [[37, 5, 16], [1, 30, 0, 9]])
 def test_decode_ref_bf16_attends_in_bf16_and_skips_stale_nan(lens):
     # A bf16 cache is attended in bf16 (fp32 accumulation inside SDPA), as the kernel's dots
