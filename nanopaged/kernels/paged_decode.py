@@ -62,7 +62,7 @@ class DecodePlan:
     empty: torch.Tensor | None  # [batch] bool, contexts of length 0; None when there are none
     # valid as SDPA's additive mask (0 / -inf) per dtype, made by the first layer that asks:
     # SDPA would otherwise convert the bool mask in every layer
-    _additive: dict = field(default_factory=dict, repr=False)
+    _additive: dict = field(default_factory=dict, init=False, repr=False)
 
     def attn_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         """valid as an additive mask in dtype (what SDPA makes of a bool mask), or None."""

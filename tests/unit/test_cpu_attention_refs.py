@@ -89,7 +89,7 @@ def test_store_kv_ref_skips_negative_slots():
 
 
 @pytest.mark.parametrize("slots", [[3, -1, 9], [3, 4, 9]])
-def test_attention_layer_checks_skipped_slots_once_per_step(slots):
+def test_attention_layer_records_skipped_slots_for_the_step(slots):
     from nanopaged.layers.attention import Attention, AttentionMetadata
 
     layers = [Attention(num_heads=2, head_dim=4, num_kv_heads=1, scale=0.5) for _ in range(2)]
