@@ -1,7 +1,8 @@
 """The peer all-reduce kernel against NCCL's all-reduce on two GPUs, both replayed from CUDA
 graphs as decode steps replay them, at a Qwen3-32B row width (5120) in bf16.
 
-python benchmarks/all_reduce_bench.py [--hidden 5120] [--world 2] [--sweep]
+python benchmarks/all_reduce_bench.py [--hidden 5120] [--world 2] [--sweep] [--tune]
+(--tune: the peer kernel's time for each block size, program cap and warp count)
 """
 
 from __future__ import annotations
@@ -43,7 +44,12 @@ def graph_us(fn, replays: int = 50) -> float:
     return sorted(times[1:])[2]
 
 
-def rank_main(rank: int, world: int, hidden: int, sweep: bool) -> None:
+TUNE_BLOCKS = (1024, 2048, 4096, 8192)
+TUNE_CAPS = (128, 256, 512)
+TUNE_WARPS = (4, 8)
+
+
+def rank_main(rank: int, world: int, hidden: int, sweep: bool, tune: bool) -> None:
     import torch.distributed as dist
 
     from nanopaged.distributed.parallel import TensorParallel
@@ -70,6 +76,17 @@ def rank_main(rank: int, world: int, hidden: int, sweep: bool) -> None:
                     x, tp.peer.ptrs, rank, world, max_programs=p))  # fmt: skip
                 line += f"; {programs} programs {us:6.1f} us"
         lines.append(line)
+        if tune:
+            best = []
+            for block in TUNE_BLOCKS:
+                for cap in TUNE_CAPS:
+                    for warps in TUNE_WARPS:
+                        us = graph_us(lambda x=x, b=block, c=cap, w=warps: peer_all_reduce(
+                            x, tp.peer.ptrs, rank, world, max_programs=c, block=b,
+                            num_warps=w))  # fmt: skip
+                        best.append((us, f"block {block} cap {cap} warps {warps}"))
+            best.sort()
+            lines += [f"    {us:6.1f} us  {name}" for us, name in best[:6]]
     if rank == 0:
         name = torch.cuda.get_device_name()
         print(f"all-reduce over {world} x {name}, from CUDA graphs:\n" + "\n".join(lines))
@@ -83,11 +100,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=5120)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--sweep", action="store_true", help="also cap the program count")
+    parser.add_argument("--tune", action="store_true", help="sweep the launch settings")
     args = parser.parse_args(argv)
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ[PEER_ALL_REDUCE_ENV] = "1"
-    mp.spawn(rank_main, args=(args.world, args.hidden, args.sweep), nprocs=args.world)
+    os.environ.pop(PEER_ALL_REDUCE_ENV, None)
+    mp.spawn(rank_main, args=(args.world, args.hidden, args.sweep, args.tune), nprocs=args.world)
 
 
 if __name__ == "__main__":

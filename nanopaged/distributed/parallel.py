@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-# With NANOPAGED_PEER_ALL_REDUCE=1 on CUDA, sums of up to this many bytes (every decode
-# step's, small prefill chunks') go through PeerAllReduce, larger ones through NCCL. Off by
-# default: a worker failure under CUDA graphs after an earlier peer-path LLM in the same
-# process has not been shown to end without a hang yet (see the README).
+# On CUDA, sums of up to this many bytes (every decode step's, small prefill chunks') go
+# through PeerAllReduce, larger ones through NCCL; NANOPAGED_PEER_ALL_REDUCE=0 sends all of
+# them through NCCL.
 PEER_ALL_REDUCE_BYTES = 16 * 2**20
 PEER_ALL_REDUCE_ENV = "NANOPAGED_PEER_ALL_REDUCE"
 
@@ -36,11 +36,15 @@ class TensorParallel:
         (CUDA, peer access between every pair of GPUs, torch's symmetric memory); whether
         it is on."""
         # The environment is the same on every rank (workers inherit it): no collective yet.
-        if self.size == 1 or device.type != "cuda" or os.environ.get(PEER_ALL_REDUCE_ENV) != "1":
+        if self.size == 1 or device.type != "cuda" or os.environ.get(PEER_ALL_REDUCE_ENV) == "0":
             return False
-        able = not PeerAllReduce.used_in_process and PeerAllReduce.supported(self.size)
-        if self.min_over_ranks(int(able)):
-            self.peer = PeerAllReduce(self, device, PEER_ALL_REDUCE_BYTES)
+        if self.min_over_ranks(int(PeerAllReduce.supported(self.size))):
+            from nanopaged.distributed.cuda_ipc import PeerMapError
+
+            try:
+                self.peer = PeerAllReduce(self, device, PEER_ALL_REDUCE_BYTES)
+            except PeerMapError as e:  # every rank gets here together
+                warnings.warn(f"all-reduces go through NCCL: {e}", stacklevel=2)
         return self.peer is not None
 
     def abort(self) -> None:
@@ -53,6 +57,7 @@ class TensorParallel:
         and so every peer's reads of its buffer, are done."""
         if self.peer is not None:
             torch.cuda.synchronize(self.peer.ptrs.device)
+            self.peer.blocks.close()
             self.peer = None
 
     def shard(self, total: int) -> int:
@@ -104,6 +109,17 @@ class TensorParallel:
             self._failed(e)
         return int(x.item())
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x stacked in rank order, [size, *x.shape], on every rank."""
+        if self.size == 1:
+            return x[None]
+        out = x.new_empty((self.size, *x.shape))
+        try:
+            dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        except RuntimeError as e:
+            self._failed(e)
+        return out
+
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x on every rank, in place."""
         if self.size == 1:
@@ -120,28 +136,20 @@ class PeerAllReduce:
     nanopaged.kernels.all_reduce: 0.55-0.8x of NCCL's time from 1 to 1024 rows of 5120 bf16
     on two NVLinked H200s (benchmarks/all_reduce_bench.py).
 
-    Allocated through torch's symmetric memory, which maps each rank's allocation into the
-    others' address space (peer access); NVLink multicast is never used and is switched off
-    before the allocation (TORCH_SYMM_MEM_DISABLE_MULTICAST), unless the caller set it.
+    One block per rank holds the buffer and, after it, the pad; every rank maps every other
+    rank's block through CUDA IPC (nanopaged.distributed.cuda_ipc).
     """
 
     DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-    # Symmetric memory keeps a group's set-up under the group's name for the life of the
-    # process, and a later LLM's process group gets the same name: only the first
-    # tensor-parallel LLM of a process takes this path, later ones use NCCL.
-    used_in_process = False
 
     @staticmethod
     def supported(size: int) -> bool:
-        """This process can join: every GPU pair has peer access and torch has symmetric
-        memory (checked on every rank, then agreed; see enable_peer_all_reduce)."""
-        try:
-            import torch.distributed._symmetric_memory  # noqa: F401
+        """This process can join: Triton and the CUDA runtime are there and every GPU pair has
+        peer access (checked on every rank, then agreed; see enable_peer_all_reduce)."""
+        from nanopaged.distributed.cuda_ipc import cuda_runtime
+        from nanopaged.kernels.all_reduce import triton
 
-            from nanopaged.kernels.all_reduce import triton
-        except ImportError:
-            return False
-        if triton is None or torch.cuda.device_count() < size:
+        if triton is None or torch.cuda.device_count() < size or cuda_runtime() is None:
             return False
         return all(
             torch.cuda.can_device_access_peer(a, b)
@@ -151,27 +159,18 @@ class PeerAllReduce:
         )
 
     def __init__(self, tp: TensorParallel, device: torch.device, max_bytes: int) -> None:
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        import torch.distributed._symmetric_memory as symm_mem
-
+        from nanopaged.distributed.cuda_ipc import PeerBuffers
         from nanopaged.kernels.all_reduce import pad_words
 
-        PeerAllReduce.used_in_process = True
         self.rank, self.size, self.max_bytes = tp.rank, tp.size, max_bytes
-        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
-        self.pad = symm_mem.empty(pad_words(tp.size), dtype=torch.int64, device=device)
-        self.pad.zero_()
-        ptrs = []
-        for t in (self.buffer, self.pad):
-            handle = symm_mem.rendezvous(t, tp.group.group_name)
-            offset = t.data_ptr() - handle.buffer_ptrs[tp.rank]
-            ptrs += [p + offset for p in handle.buffer_ptrs]
+        pad_bytes = pad_words(tp.size) * 8
+        # Zeroed on every rank before any rank learns where a peer's block is.
+        self.blocks = PeerBuffers(tp, device, max_bytes + pad_bytes)
         # Host memory the kernel polls while it waits (pinned: the GPU reads it directly).
         self.abort_word = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        ptrs = self.blocks.ptrs + [p + max_bytes for p in self.blocks.ptrs]
         ptrs.append(self.abort_word.data_ptr())
         self.ptrs = torch.tensor(ptrs, dtype=torch.int64, device=device)
-        torch.cuda.synchronize(device)
-        tp.min_over_ranks(0)  # every pad is zeroed before any rank writes into it
 
     def fits(self, x: torch.Tensor) -> bool:
         return (

@@ -32,8 +32,12 @@ try:
 except ImportError:  # CPU-only installs never use the peer all-reduce
     triton = None
 
-BLOCK = 4096  # elements per program per iteration
-MAX_PROGRAMS = 128  # resident together (a few per SM), so a waiting program blocks no other
+# Elements per program per pass, and at most this many programs: the fastest of the settings
+# benchmarks/all_reduce_bench.py --tune tries for 64 to 1024 rows of 5120 bf16 on two H200s
+# (within 5% of the best at 1 to 8 rows). The programs are all resident together (one per
+# SM at most), so a waiting program never keeps a peer's program it waits for from starting.
+BLOCK = 8192
+MAX_PROGRAMS = 128
 
 
 def pad_words(world_size: int) -> int:
@@ -128,6 +132,7 @@ if triton is not None:
         NUM_PROGRAMS: tl.constexpr,
         BLOCK: tl.constexpr,
         ALIGNED: tl.constexpr,  # numel % 16 == 0
+        ONE_PASS: tl.constexpr,  # per_program == BLOCK
     ):
         pid = tl.program_id(0)
         lo = pid * per_program
@@ -141,43 +146,69 @@ if triton is not None:
         own = tl.multiple_of(tl.load(ptrs_ptr + RANK).to(tl.pointer_type(dtype)), 16)
         own_pad = tl.load(ptrs_ptr + WORLD + RANK).to(tl.pointer_type(tl.int64))
         generation = tl.load(own_pad + pid)  # only this program of this rank writes it
-        for start in range(lo, hi, BLOCK):
-            idx = start + offs
+        if ONE_PASS:  # the slice fits one block: keep this rank's part in registers
+            idx = lo + offs
             mask = idx < hi
-            tl.store(own + idx, tl.load(x_ptr + idx, mask=mask), mask=mask)
-        _barrier(ptrs_ptr, pid, generation + 1, abort_ptr, RANK, WORLD, NUM_PROGRAMS)
-        for start in range(lo, hi, BLOCK):
-            idx = start + offs
-            mask = idx < hi
+            mine = tl.load(x_ptr + idx, mask=mask)
+            tl.store(own + idx, mine, mask=mask)
+            _barrier(ptrs_ptr, pid, generation + 1, abort_ptr, RANK, WORLD, NUM_PROGRAMS)
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for r in tl.static_range(WORLD):
                 if r == RANK:
-                    acc += tl.load(x_ptr + idx, mask=mask).to(tl.float32)
+                    acc += mine.to(tl.float32)
                 else:
                     src = tl.multiple_of(tl.load(ptrs_ptr + r).to(tl.pointer_type(dtype)), 16)
                     part = tl.load(src + idx, mask=mask, cache_modifier=".cg")
                     acc += part.to(tl.float32)
             tl.store(x_ptr + idx, acc.to(dtype), mask=mask)
+        else:
+            for start in range(lo, hi, BLOCK):
+                idx = start + offs
+                mask = idx < hi
+                tl.store(own + idx, tl.load(x_ptr + idx, mask=mask), mask=mask)
+            _barrier(ptrs_ptr, pid, generation + 1, abort_ptr, RANK, WORLD, NUM_PROGRAMS)
+            for start in range(lo, hi, BLOCK):
+                idx = start + offs
+                mask = idx < hi
+                acc = tl.zeros([BLOCK], dtype=tl.float32)
+                for r in tl.static_range(WORLD):
+                    if r == RANK:
+                        acc += tl.load(x_ptr + idx, mask=mask).to(tl.float32)
+                    else:
+                        src = tl.multiple_of(
+                            tl.load(ptrs_ptr + r).to(tl.pointer_type(dtype)), 16
+                        )
+                        part = tl.load(src + idx, mask=mask, cache_modifier=".cg")
+                        acc += part.to(tl.float32)
+                tl.store(x_ptr + idx, acc.to(dtype), mask=mask)
         _barrier(ptrs_ptr, pid, generation + 2, abort_ptr, RANK, WORLD, NUM_PROGRAMS)
         tl.store(own_pad + pid, generation + 2)
 
 
 def peer_all_reduce(
-    x: torch.Tensor, ptrs: torch.Tensor, rank: int, world_size: int, max_programs: int = 0
+    x: torch.Tensor,
+    ptrs: torch.Tensor,
+    rank: int,
+    world_size: int,
+    max_programs: int = 0,
+    block: int = BLOCK,
+    num_warps: int = 8,
 ) -> None:
-    """Sum contiguous x over the ranks, in place; every rank calls it with the same shape.
+    """Sum contiguous x over the ranks, in place; every rank calls it with the same shape and
+    the same launch settings.
 
     ptrs: int64 on x's device, [2 * world_size + 1]: each rank's staging buffer (at least
     x's bytes), each rank's pad (pad_words(world_size) int64 zeros), the abort word's address.
-    max_programs: at most this many programs (default and cap MAX_PROGRAMS).
+    max_programs: at most this many programs (default and cap MAX_PROGRAMS); block: elements
+    per program per pass (a power of two).
     """
     numel = x.numel()
     cap = min(max_programs, MAX_PROGRAMS) if max_programs > 0 else MAX_PROGRAMS
-    programs = min(triton.cdiv(numel, BLOCK), cap)
-    per_program = triton.cdiv(triton.cdiv(numel, programs), BLOCK) * BLOCK
+    programs = min(triton.cdiv(numel, block), cap)
+    per_program = triton.cdiv(triton.cdiv(numel, programs), block) * block
     programs = triton.cdiv(numel, per_program)
     _peer_all_reduce_kernel[(programs,)](
         x, ptrs, numel, per_program,
-        RANK=rank, WORLD=world_size, NUM_PROGRAMS=MAX_PROGRAMS, BLOCK=BLOCK,
-        ALIGNED=numel % 16 == 0, num_warps=8,
+        RANK=rank, WORLD=world_size, NUM_PROGRAMS=MAX_PROGRAMS, BLOCK=block,
+        ALIGNED=numel % 16 == 0, ONE_PASS=per_program == block, num_warps=num_warps,
     )  # fmt: skip

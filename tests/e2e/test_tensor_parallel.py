@@ -13,6 +13,7 @@ import torch
 from tiny_models import hf_greedy, make_tiny_model
 
 from nanopaged import LLM, SamplingParams
+from nanopaged.distributed.parallel import PEER_ALL_REDUCE_ENV
 from nanopaged.distributed.workers import FAULT_ENV, WorkerError
 
 MAX_TOKENS = 16
@@ -259,6 +260,8 @@ def test_gpu_tp2_equals_tp1(tmp_path, family, kv_cache_dtype):
     torch.cuda.empty_cache()
     with LLM(str(path), tensor_parallel_size=2, **kw) as llm:
         assert llm.runner.graphs is not None  # decode replays CUDA graphs holding all-reduces
+        # Every LLM of this process sums through peer memory, not only the first.
+        assert llm.runner.tp.peer is not None
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == want
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -269,9 +272,11 @@ def test_gpu_tp2_equals_tp1(tmp_path, family, kv_cache_dtype):
 @pytest.mark.gpu
 @two_gpus
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda_graphs"])
-def test_gpu_worker_error_reaches_caller(tmp_path, monkeypatch, enforce_eager):
+@pytest.mark.parametrize("peer", ["1", "0"], ids=["peer_all_reduce", "nccl_all_reduce"])
+def test_gpu_worker_error_reaches_caller(tmp_path, monkeypatch, enforce_eager, peer):
     path = make_tiny_model(tmp_path / "llama", "llama")
     monkeypatch.setenv(FAULT_ENV, "1:3")
+    monkeypatch.setenv(PEER_ALL_REDUCE_ENV, peer)
     llm = LLM(str(path), tensor_parallel_size=2, max_num_seqs=8, max_model_len=256,
               gpu_memory_utilization=0.4, enforce_eager=enforce_eager)  # fmt: skip
     t0 = time.monotonic()

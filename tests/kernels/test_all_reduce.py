@@ -92,6 +92,18 @@ def _rank_main(rank: int, world: int, port: int, failures) -> None:
             assert time.monotonic() - t0 < 5.0
         tp.release()
         dist.destroy_process_group()
+        # A second set-up in the same processes, as for a second LLM.
+        store = dist.TCPStore("127.0.0.1", port + 1, world, is_master=rank == 0)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world,
+                                device_id=device)  # fmt: skip
+        tp = TensorParallel(rank, world, dist.group.WORLD)
+        assert tp.enable_peer_all_reduce(device)
+        x = _inputs(rank, 5120, torch.bfloat16, 7).to(device)
+        tp.all_reduce(x)
+        assert torch.equal(x.cpu(), all_reduce_ref([_inputs(r, 5120, torch.bfloat16, 7)
+                                                    for r in range(world)]))  # fmt: skip
+        tp.release()
+        dist.destroy_process_group()
     except BaseException as e:
         failures.put(f"rank {rank}: {type(e).__name__}: {e}")
         raise
@@ -100,9 +112,7 @@ def _rank_main(rank: int, world: int, port: int, failures) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs at least 2 CUDA devices")
 def test_peer_all_reduce_two_gpus(monkeypatch):
-    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", os.environ.get(
-        "TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"))  # fmt: skip
-    monkeypatch.setenv(PEER_ALL_REDUCE_ENV, "1")  # the spawned ranks inherit it
+    monkeypatch.delenv(PEER_ALL_REDUCE_ENV, raising=False)  # on unless switched off
     ctx = mp.get_context("spawn")
     failures = ctx.SimpleQueue()
     port = 29000 + os.getpid() % 1000
@@ -155,10 +165,10 @@ def test_small_sums_go_to_the_peer_path_large_ones_to_the_group(monkeypatch):
     assert one.peer.seen == []  # a single rank sums nothing
 
 
-def test_no_peer_path_on_cpu_one_rank_or_by_default(monkeypatch):
-    monkeypatch.setenv(PEER_ALL_REDUCE_ENV, "1")
+def test_no_peer_path_on_cpu_one_rank_or_when_switched_off(monkeypatch):
+    monkeypatch.delenv(PEER_ALL_REDUCE_ENV, raising=False)
     assert not TensorParallel().enable_peer_all_reduce(torch.device("cpu"))
     assert not TensorParallel(0, 2, None).enable_peer_all_reduce(torch.device("cpu"))
-    monkeypatch.delenv(PEER_ALL_REDUCE_ENV)
-    # Off unless asked for: returns before any collective (group None would fail one).
+    monkeypatch.setenv(PEER_ALL_REDUCE_ENV, "0")
+    # Switched off: returns before any collective (group None would fail one).
     assert not TensorParallel(0, 2, None).enable_peer_all_reduce(torch.device("cuda"))
