@@ -8,6 +8,7 @@ python benchmarks/all_reduce_bench.py [--hidden 5120] [--world 2] [--sweep] [--t
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -44,8 +45,8 @@ def graph_us(fn, replays: int = 50) -> float:
     return sorted(times[1:])[2]
 
 
-TUNE_BLOCKS = (1024, 2048, 4096, 8192)
-TUNE_CAPS = (128, 256, 512)
+TUNE_BLOCKS = (2048, 4096, 8192)
+TUNE_CAPS = (64, 128)
 TUNE_WARPS = (4, 8)
 
 
@@ -53,7 +54,6 @@ def rank_main(rank: int, world: int, hidden: int, sweep: bool, tune: bool) -> No
     import torch.distributed as dist
 
     from nanopaged.distributed.parallel import TensorParallel
-    from nanopaged.kernels.all_reduce import peer_all_reduce
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -72,19 +72,18 @@ def rank_main(rank: int, world: int, hidden: int, sweep: bool, tune: bool) -> No
                 f"{peer:6.1f} us = {nccl / peer:4.2f}x")  # fmt: skip
         if sweep:
             for programs in (8, 32):
-                us = graph_us(lambda x=x, p=programs: peer_all_reduce(
-                    x, tp.peer.ptrs, rank, world, max_programs=p))  # fmt: skip
+                us = graph_us(lambda x=x, p=programs: tp.peer.all_reduce(x, max_programs=p))
                 line += f"; {programs} programs {us:6.1f} us"
         lines.append(line)
         if tune:
             best = []
-            for block in TUNE_BLOCKS:
-                for cap in TUNE_CAPS:
-                    for warps in TUNE_WARPS:
-                        us = graph_us(lambda x=x, b=block, c=cap, w=warps: peer_all_reduce(
-                            x, tp.peer.ptrs, rank, world, max_programs=c, block=b,
-                            num_warps=w))  # fmt: skip
-                        best.append((us, f"block {block} cap {cap} warps {warps}"))
+            for push, block, cap, warps in itertools.product(
+                (False, True), TUNE_BLOCKS, TUNE_CAPS, TUNE_WARPS
+            ):
+                us = graph_us(lambda x=x, kw=dict(push=push, block=block, max_programs=cap,
+                                                  num_warps=warps): tp.peer.all_reduce(x, **kw))
+                mode = "push" if push else "pull"
+                best.append((us, f"{mode} block {block} cap {cap} warps {warps}"))
             best.sort()
             lines += [f"    {us:6.1f} us  {name}" for us, name in best[:6]]
     if rank == 0:

@@ -136,8 +136,9 @@ class PeerAllReduce:
     nanopaged.kernels.all_reduce: 0.55-0.8x of NCCL's time from 1 to 1024 rows of 5120 bf16
     on two NVLinked H200s (benchmarks/all_reduce_bench.py).
 
-    One block per rank holds the buffer and, after it, the pad; every rank maps every other
-    rank's block through CUDA IPC (nanopaged.distributed.cuda_ipc).
+    One block per rank holds the buffer (a slot of max_bytes per rank) and, after it, the pad;
+    every rank maps every other rank's block through CUDA IPC
+    (nanopaged.distributed.cuda_ipc).
     """
 
     DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -164,11 +165,12 @@ class PeerAllReduce:
 
         self.rank, self.size, self.max_bytes = tp.rank, tp.size, max_bytes
         pad_bytes = pad_words(tp.size) * 8
+        buffer_bytes = tp.size * max_bytes
         # Zeroed on every rank before any rank learns where a peer's block is.
-        self.blocks = PeerBuffers(tp, device, max_bytes + pad_bytes)
+        self.blocks = PeerBuffers(tp, device, buffer_bytes + pad_bytes)
         # Host memory the kernel polls while it waits (pinned: the GPU reads it directly).
         self.abort_word = torch.zeros(1, dtype=torch.int64, pin_memory=True)
-        ptrs = self.blocks.ptrs + [p + max_bytes for p in self.blocks.ptrs]
+        ptrs = self.blocks.ptrs + [p + buffer_bytes for p in self.blocks.ptrs]
         ptrs.append(self.abort_word.data_ptr())
         self.ptrs = torch.tensor(ptrs, dtype=torch.int64, device=device)
 
@@ -179,11 +181,12 @@ class PeerAllReduce:
             and x.numel() * x.element_size() <= self.max_bytes
         )
 
-    def all_reduce(self, x: torch.Tensor) -> None:
+    def all_reduce(self, x: torch.Tensor, **launch) -> None:
+        """Sum x in place (launch: peer_all_reduce's settings, for tests and benchmarks)."""
         from nanopaged.kernels.all_reduce import peer_all_reduce
 
         if x.numel():
-            peer_all_reduce(x, self.ptrs, self.rank, self.size)
+            peer_all_reduce(x, self.ptrs, self.rank, self.size, self.max_bytes, **launch)
 
     def abort(self) -> None:
         self.abort_word.fill_(1)

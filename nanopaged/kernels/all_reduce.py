@@ -1,15 +1,16 @@
 """All-reduce (sum) over tensor-parallel ranks through peer memory, in one kernel.
 
-Every rank holds a staging buffer and a pad of int64 words in memory the other ranks can
-address (NVLink peer access; see nanopaged.distributed.parallel.PeerAllReduce). Program p of
-every rank handles the same slice of x:
+Every rank holds a buffer with a slot per rank and a pad of int64 words in memory the other
+ranks can address (NVLink peer access; see nanopaged.distributed.parallel.PeerAllReduce).
+Program p of every rank handles the same slice of x:
 
-1. copies its slice of x into its own staging buffer;
-2. tells each peer "slice p is staged" and waits for each peer's same word;
+1. writes its slice of x into slot RANK of every peer's buffer (push; or, staging, into its
+   own buffer for the peers to read);
+2. tells each peer "slice p is written" and waits for each peer's same word;
 3. sums the slice over the ranks in rank order, in fp32, and writes it back into x (every rank
    adds the same values in the same order, so all get the same bits);
-4. tells each peer "done reading slice p" and waits for theirs, so no rank overwrites its
-   buffer (the next call's step 1) while a peer may still read it.
+4. tells each peer "done reading slice p" and waits for theirs, so no rank overwrites a
+   buffer (the next call's step 1) while its owner may still read it.
 
 The words carry a generation count instead of a flag: program p keeps how many barriers it
 has passed in its own pad word p, and a peer's word for (p, rank) only grows (each barrier
@@ -32,12 +33,15 @@ try:
 except ImportError:  # CPU-only installs never use the peer all-reduce
     triton = None
 
-# Elements per program per pass, and at most this many programs: the fastest of the settings
-# benchmarks/all_reduce_bench.py --tune tries for 64 to 1024 rows of 5120 bf16 on two H200s
-# (within 5% of the best at 1 to 8 rows). The programs are all resident together (one per
-# SM at most), so a waiting program never keeps a peer's program it waits for from starting.
+# Elements per program per pass, at most this many programs, and pushing parts into the
+# peers' buffers rather than staging them for the peers to read: among the fastest settings
+# benchmarks/all_reduce_bench.py --tune tries for 1 to 1024 rows of 5120 bf16 on two H200s
+# (within 0.5 us of the best at every size; pushing 8% faster than staging at 256 rows).
+# The programs are all resident together (one per SM at most), so a waiting program never
+# keeps a peer's program it waits for from starting.
 BLOCK = 8192
 MAX_PROGRAMS = 128
+PUSH = True
 
 
 def pad_words(world_size: int) -> int:
@@ -131,8 +135,9 @@ if triton is not None:
         WORLD: tl.constexpr,
         NUM_PROGRAMS: tl.constexpr,
         BLOCK: tl.constexpr,
+        SLOT: tl.constexpr,  # elements of one slot of a buffer
+        PUSH: tl.constexpr,
         ALIGNED: tl.constexpr,  # numel % 16 == 0
-        ONE_PASS: tl.constexpr,  # per_program == BLOCK
     ):
         pid = tl.program_id(0)
         lo = pid * per_program
@@ -146,41 +151,34 @@ if triton is not None:
         own = tl.multiple_of(tl.load(ptrs_ptr + RANK).to(tl.pointer_type(dtype)), 16)
         own_pad = tl.load(ptrs_ptr + WORLD + RANK).to(tl.pointer_type(tl.int64))
         generation = tl.load(own_pad + pid)  # only this program of this rank writes it
-        if ONE_PASS:  # the slice fits one block: keep this rank's part in registers
-            idx = lo + offs
+        for start in range(lo, hi, BLOCK):
+            idx = start + offs
             mask = idx < hi
-            mine = tl.load(x_ptr + idx, mask=mask)
-            tl.store(own + idx, mine, mask=mask)
-            _barrier(ptrs_ptr, pid, generation + 1, abort_ptr, RANK, WORLD, NUM_PROGRAMS)
+            part = tl.load(x_ptr + idx, mask=mask)
+            if PUSH:  # into slot RANK of every peer's buffer
+                for peer in tl.static_range(WORLD):
+                    if peer != RANK:
+                        dst = tl.load(ptrs_ptr + peer).to(tl.pointer_type(dtype)) + RANK * SLOT
+                        tl.store(tl.multiple_of(dst, 16) + idx, part, mask=mask)
+            else:  # into slot 0 of this rank's buffer, where the peers read it
+                tl.store(own + idx, part, mask=mask)
+        _barrier(ptrs_ptr, pid, generation + 1, abort_ptr, RANK, WORLD, NUM_PROGRAMS)
+        for start in range(lo, hi, BLOCK):
+            idx = start + offs
+            mask = idx < hi
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for r in tl.static_range(WORLD):
                 if r == RANK:
-                    acc += mine.to(tl.float32)
+                    acc += tl.load(x_ptr + idx, mask=mask).to(tl.float32)
                 else:
-                    src = tl.multiple_of(tl.load(ptrs_ptr + r).to(tl.pointer_type(dtype)), 16)
+                    if PUSH:
+                        src = tl.multiple_of(own + r * SLOT, 16)
+                    else:
+                        src = tl.multiple_of(tl.load(ptrs_ptr + r).to(tl.pointer_type(dtype)), 16)
+                    # .cg: past L1, which may hold this address from an earlier call
                     part = tl.load(src + idx, mask=mask, cache_modifier=".cg")
                     acc += part.to(tl.float32)
             tl.store(x_ptr + idx, acc.to(dtype), mask=mask)
-        else:
-            for start in range(lo, hi, BLOCK):
-                idx = start + offs
-                mask = idx < hi
-                tl.store(own + idx, tl.load(x_ptr + idx, mask=mask), mask=mask)
-            _barrier(ptrs_ptr, pid, generation + 1, abort_ptr, RANK, WORLD, NUM_PROGRAMS)
-            for start in range(lo, hi, BLOCK):
-                idx = start + offs
-                mask = idx < hi
-                acc = tl.zeros([BLOCK], dtype=tl.float32)
-                for r in tl.static_range(WORLD):
-                    if r == RANK:
-                        acc += tl.load(x_ptr + idx, mask=mask).to(tl.float32)
-                    else:
-                        src = tl.multiple_of(
-                            tl.load(ptrs_ptr + r).to(tl.pointer_type(dtype)), 16
-                        )
-                        part = tl.load(src + idx, mask=mask, cache_modifier=".cg")
-                        acc += part.to(tl.float32)
-                tl.store(x_ptr + idx, acc.to(dtype), mask=mask)
         _barrier(ptrs_ptr, pid, generation + 2, abort_ptr, RANK, WORLD, NUM_PROGRAMS)
         tl.store(own_pad + pid, generation + 2)
 
@@ -190,19 +188,23 @@ def peer_all_reduce(
     ptrs: torch.Tensor,
     rank: int,
     world_size: int,
+    slot_bytes: int,
     max_programs: int = 0,
     block: int = BLOCK,
     num_warps: int = 8,
+    push: bool = PUSH,
 ) -> None:
     """Sum contiguous x over the ranks, in place; every rank calls it with the same shape and
     the same launch settings.
 
-    ptrs: int64 on x's device, [2 * world_size + 1]: each rank's staging buffer (at least
-    x's bytes), each rank's pad (pad_words(world_size) int64 zeros), the abort word's address.
-    max_programs: at most this many programs (default and cap MAX_PROGRAMS); block: elements
-    per program per pass (a power of two).
+    ptrs: int64 on x's device, [2 * world_size + 1]: each rank's buffer (world_size slots of
+    slot_bytes, a slot at least x's bytes), each rank's pad (pad_words(world_size) int64
+    zeros), the abort word's address. max_programs: at most this many programs (default and
+    cap MAX_PROGRAMS); block: elements per program per pass (a power of two); push: write
+    this rank's part into the peers' buffers (else stage it in its own, for them to read).
     """
     numel = x.numel()
+    assert numel * x.element_size() <= slot_bytes and slot_bytes % x.element_size() == 0
     cap = min(max_programs, MAX_PROGRAMS) if max_programs > 0 else MAX_PROGRAMS
     programs = min(triton.cdiv(numel, block), cap)
     per_program = triton.cdiv(triton.cdiv(numel, programs), block) * block
@@ -210,5 +212,6 @@ def peer_all_reduce(
     _peer_all_reduce_kernel[(programs,)](
         x, ptrs, numel, per_program,
         RANK=rank, WORLD=world_size, NUM_PROGRAMS=MAX_PROGRAMS, BLOCK=block,
-        ALIGNED=numel % 16 == 0, ONE_PASS=per_program == block, num_warps=num_warps,
+        SLOT=slot_bytes // x.element_size(), PUSH=push, ALIGNED=numel % 16 == 0,
+        num_warps=num_warps,
     )  # fmt: skip

@@ -48,6 +48,10 @@ def _rank_main(rank: int, world: int, port: int, failures) -> None:
                 x = _inputs(rank, numel, dtype, seed).to(device)
                 want = all_reduce_ref([_inputs(r, numel, dtype, seed) for r in range(world)])
                 assert tp.peer.fits(x)
+                for push in (False, True):  # both ways of moving the parts
+                    y = x.clone()
+                    tp.peer.all_reduce(y, push=push)
+                    assert torch.equal(y.cpu(), want), (dtype, numel, push)
                 tp.all_reduce(x)
                 got = x.cpu()
                 assert torch.equal(got, want), (dtype, numel)
