@@ -12,6 +12,7 @@ import torch
 
 from nanopaged.config import EngineConfig, ModelConfig
 from nanopaged.distributed.parallel import TensorParallel, local_kv_heads
+from nanopaged.distributed.sharded_sampling import can_shard, sample_shards, settings_array
 from nanopaged.engine.block_tables import BlockTableBuilder
 from nanopaged.engine.cuda_graph import DecodeGraphs
 from nanopaged.engine.host_memory import keep_freed_memory
@@ -345,12 +346,12 @@ class ModelRunner:
         batches that 16 divides), not inside a user's first steps."""
         vocab = self.model_config.vocab_size
         for rows in (1, 3, 16):
-            logits = torch.zeros(rows, vocab, dtype=torch.float32, device=self.device)
+            logits = torch.zeros(rows, vocab, dtype=self.dtype, device=self.device)
             self._profile_sampling(logits, num_logprobs=0)
         torch.cuda.synchronize()
 
     def _profile_sampling(self, logits: torch.Tensor, num_logprobs: int = 20) -> None:
-        """Run the sampler's most memory-hungry path over logits rows: [rows, vocab] fp32."""
+        """Run the sampler's most memory-hungry path over logits rows: [rows, vocab]."""
         rows, vocab = logits.shape
         ones = torch.ones(rows, device=self.device)
         st = SamplingTensors(
@@ -478,9 +479,11 @@ class ModelRunner:
             self.workers.step_done()
         if logits is None:
             return StepHandle(outputs=[])
+        if step.samples_sharded:  # the ranks sampled their vocabulary shards: token ids
+            return StepHandle.copy_to_host(logits)
         sampled_seqs = [seqs[i] for i in range(len(seqs)) if batch.samples(i)]
         if needs_sample_outputs(sampled_seqs):
-            outputs = sample_sequences(logits, sampled_seqs, eos_token_ids)
+            outputs = sample_sequences(logits.float(), sampled_seqs, eos_token_ids)
             return StepHandle(outputs=outputs)
         mask_early_stops(logits, sampled_seqs, eos_token_ids)
         widths = [s.sampling_params.logprobs for s in sampled_seqs]
@@ -511,6 +514,10 @@ class ModelRunner:
         last = np.cumsum(batch.num_scheduled_tokens) - 1
         ids_np = np.asarray(input_ids, dtype=np.int64)
         pending_dst, pending_src = self._pending_inputs(seqs, host["cu_seqlens_q"])
+        sampled_seqs = [seqs[i] for i in sampling_rows]
+        settings = None
+        if self.tp.size > 1 and can_shard(sampled_seqs):
+            settings = settings_array(sampled_seqs)
         return StepInputs(
             input_ids=ids_np,
             positions=host["positions"],
@@ -524,12 +531,15 @@ class ModelRunner:
             blocks_to_copy=batch.blocks_to_copy,
             pending_dst=pending_dst,
             pending_src=pending_src,
+            **({} if settings is None else dict(sample_settings=settings)),
         )
 
     @torch.inference_mode()
     def execute(self, step: StepInputs, prev: StepHandle | None) -> torch.Tensor | None:
-        """Block ops and the forward pass of one step; the logits rows to sample ([rows,
-        vocab] float32), or None when nothing samples or this rank is not rank 0."""
+        """Block ops and the forward pass of one step, on rank 0 its logits rows to sample
+        ([rows, vocab] in the model's dtype: the sampler reads them as they are, and bf16/fp16
+        -> fp32 is exact), or, when step.samples_sharded, the rows' sampled token ids; None
+        when nothing samples or this rank is not rank 0."""
         # Swaps and copy-on-write copies go before the forward (and outside any CUDA graph).
         run_block_ops(
             self.kv_cache,
@@ -565,8 +575,11 @@ class ModelRunner:
             return None
         # A plain torch.tensor(..., device=cuda) would wait for the device: copy asynchronously.
         rows = torch.from_numpy(step.logits_indices).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
-        return None if logits is None else logits.float()
+        hidden = hidden.index_select(0, rows)
+        if step.samples_sharded:
+            local, vocab_start = self.model.compute_local_logits(hidden)
+            return sample_shards(local, vocab_start, step.sample_settings, self.tp)
+        return self.model.compute_logits(hidden)
 
     @staticmethod
     def _pending_inputs(

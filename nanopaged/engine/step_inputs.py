@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-_HEADER = 8  # num_tokens, batch, table width, logits rows, swap outs, swap ins, copies, pending
+# num_tokens, batch, table width, logits rows, swap outs, swap ins, copies, pending, shard rows
+_HEADER = 9
 
 
 @dataclass
@@ -15,6 +16,8 @@ class StepInputs:
 
     Block ops are (src, dst) block pairs run before the forward pass; pending_dst are the input
     positions whose ids come from the previous step's samples on the device (rows pending_src).
+    sample_settings, when it has columns (one per logits row), says the ranks sample their
+    vocabulary shards themselves (nanopaged.distributed.sharded_sampling).
     """
 
     input_ids: np.ndarray  # [num_tokens] int64
@@ -29,6 +32,12 @@ class StepInputs:
     blocks_to_copy: list[tuple[int, int]]
     pending_dst: np.ndarray  # [num_pending] int64
     pending_src: np.ndarray  # [num_pending] int64
+    # [3, num_sampled or 0] int64: temperature bits, seed, output position (settings_array)
+    sample_settings: np.ndarray = field(default_factory=lambda: np.zeros((3, 0), np.int64))
+
+    @property
+    def samples_sharded(self) -> bool:
+        return self.sample_settings.shape[1] > 0
 
     def pack(self) -> np.ndarray:
         """One int64 buffer: a header of sizes, then every array flattened."""
@@ -36,18 +45,21 @@ class StepInputs:
         pairs = [np.asarray(p, dtype=np.int64).reshape(-1, 2) for p in ops]
         header = np.array(
             [len(self.input_ids), len(self.context_lens), self.tables.shape[1],
-             len(self.logits_indices), *(len(p) for p in pairs), len(self.pending_dst)],
+             len(self.logits_indices), *(len(p) for p in pairs), len(self.pending_dst),
+             self.sample_settings.shape[1]],
             dtype=np.int64,
         )  # fmt: skip
         parts = [header, self.input_ids, self.positions, self.slots, self.tables.ravel(),
                  self.context_lens, self.cu_seqlens_q, self.logits_indices, *pairs,
-                 self.pending_dst, self.pending_src]  # fmt: skip
+                 self.pending_dst, self.pending_src, self.sample_settings]  # fmt: skip
         return np.concatenate([np.asarray(p, dtype=np.int64).ravel() for p in parts])
 
     @classmethod
     def unpack(cls, buf: np.ndarray) -> StepInputs:
         """The inverse of pack."""
-        tokens, batch, width, rows, n_out, n_in, n_copy, n_pending = buf[:_HEADER].tolist()
+        tokens, batch, width, rows, n_out, n_in, n_copy, n_pending, n_shard = (
+            buf[:_HEADER].tolist()
+        )
         at = _HEADER
 
         def take(n: int, dtype=np.int64) -> np.ndarray:
@@ -72,4 +84,5 @@ class StepInputs:
             blocks_to_copy=pairs(n_copy),
             pending_dst=take(n_pending),
             pending_src=take(n_pending),
+            sample_settings=take(3 * n_shard).reshape(3, n_shard),
         )

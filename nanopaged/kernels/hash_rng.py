@@ -44,11 +44,14 @@ def _row_keys(seeds: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor,
     return a, _fmix32((a + 0x9E3779B9) & _MASK32)
 
 
-def uniform_ref(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
-    """u in (0, 1), [batch, vocab] fp32, for int64 seeds/offsets [batch]: the kernel's bits."""
+def uniform_ref(
+    seeds: torch.Tensor, offsets: torch.Tensor, vocab: int, start: int = 0
+) -> torch.Tensor:
+    """u in (0, 1), [batch, vocab] fp32, for int64 seeds/offsets [batch] and the token ids
+    start .. start + vocab - 1: the kernel's bits."""
     # int64 tensors hold the uint32 words: torch's uint32 lacks the shifts and products.
     key_a, key_b = _row_keys(seeds.cpu(), offsets.cpu())
-    idx = torch.arange(vocab, dtype=torch.int64)
+    idx = torch.arange(start, start + vocab, dtype=torch.int64)
     h = _fmix32(_mul32(idx, 0x9E3779B1)[None, :] ^ key_a[:, None])
     h = _fmix32((h + key_b[:, None]) & _MASK32)
     # 23 bits plus a half: exact in fp32 and never 0 or 1, so log(u) and log(-log(u)) are finite.

@@ -51,6 +51,9 @@ class FusedSample:
     logprobs: torch.Tensor  # [batch] fp32, the sampled token's raw logprob
     top_logprobs: torch.Tensor | None  # [batch, num_logprobs] fp32, descending
     top_token_ids: torch.Tensor | None  # [batch, num_logprobs] int64
+    # [batch] fp32, what the token won with: x + noise of a sampled row, the raw maximum of
+    # a greedy one. Over shards of a vocabulary the largest (first on ties) is the full row's.
+    scores: torch.Tensor | None = None
 
 
 # ---- the reference ----------------------------------------------------------------------
@@ -106,10 +109,12 @@ def sample_ref(
     seeds: torch.Tensor,
     offsets: torch.Tensor,
     num_logprobs: int = 0,
+    vocab_start: int = 0,
 ) -> FusedSample:
-    """Torch reference of sample_fused (same arguments, same tokens)."""
+    """Torch reference of sample_fused (same arguments, same tokens and scores)."""
     raw = logits.float()
     greedy = raw.argmax(dim=1)
+    scores = raw.gather(1, greedy[:, None])[:, 0]
     temps = torch.where(temperatures == 0, torch.ones_like(temperatures), temperatures)
     x = raw / temps.float()[:, None]
     tokens = greedy
@@ -117,14 +122,17 @@ def sample_ref(
     if len(rows):  # noise only for the rows that sample (the CPU path runs this every step)
         sub = (logits[rows], temperatures[rows], top_ks[rows], top_ps[rows], min_ps[rows])
         allowed = allowed_mask_ref(*sub)
-        gumbel = -torch.log(-torch.log(uniform_ref(seeds[rows], offsets[rows], raw.shape[1])))
-        sampled = torch.where(allowed, x[rows] + gumbel, float("-inf")).argmax(dim=1)
+        u = uniform_ref(seeds[rows], offsets[rows], raw.shape[1], vocab_start)
+        noisy = torch.where(allowed, x[rows] - torch.log(-torch.log(u)), float("-inf"))
+        sampled = noisy.argmax(dim=1)
         tokens = greedy.index_copy(0, rows, sampled)
+        scores = scores.index_copy(0, rows, noisy.gather(1, sampled[:, None])[:, 0])
     logprobs = raw.log_softmax(dim=1)
     top_lp = top_ids = None
     if num_logprobs > 0:
         top_lp, top_ids = logprobs.topk(num_logprobs, dim=1)
-    return FusedSample(tokens, logprobs.gather(1, tokens[:, None])[:, 0], top_lp, top_ids)
+    picked = logprobs.gather(1, tokens[:, None])[:, 0]
+    return FusedSample(tokens, picked, top_lp, top_ids, scores)
 
 
 # ---- the kernel -------------------------------------------------------------------------
@@ -218,8 +226,8 @@ if triton is not None:
     @triton.jit
     def _sample_row(
         row, logits_ptr, temps_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr, offsets_ptr,
-        tokens_ptr, logprobs_ptr, top_vals_ptr, top_ids_ptr, lse_ptr, allowed_ptr,
-        vocab, stride_row,
+        tokens_ptr, logprobs_ptr, top_vals_ptr, top_ids_ptr, lse_ptr, allowed_ptr, scores_ptr,
+        vocab, stride_row, vocab_start,
         NUM_LOGPROBS: tl.constexpr, WRITE_ALLOWED: tl.constexpr, BLOCK: tl.constexpr,
     ):
         # The interpreter's range yields python ints, the compiler's int32 tensors.
@@ -298,7 +306,7 @@ if triton is not None:
                 tl.store(allowed_ptr + row64 * vocab + idx, allowed.to(tl.int8),
                          mask=idx < vocab)
             if is_sampled:
-                u = uniform(idx, key_a, key_b)
+                u = uniform(idx + vocab_start, key_a, key_b)  # keyed by the token's id
                 score = tl.where(allowed, x - tl.log(-tl.log(u)), float("-inf"))
                 tokens = tl.where(score > bests, idx, tokens)
                 bests = tl.maximum(bests, score)
@@ -311,11 +319,14 @@ if triton is not None:
                 tl.store(top_ids_ptr + out, idx.to(tl.int64), mask=keep)
                 num_top += tl.sum(chosen.to(tl.int32))
         token = argmax
+        score = raw_max
         if is_sampled:
             best = tl.max(bests)
             token = tl.min(tl.where(bests == best, tokens, vocab))
+            score = best
         lse = raw_max + tl.log(tl.sum(sum_exps))
         tl.store(tokens_ptr + row, token.to(tl.int64))
+        tl.store(scores_ptr + row, score)
         tl.store(lse_ptr + row, lse)
         raw_token = tl.load(row_ptr + token).to(tl.float32)
         tl.store(logprobs_ptr + row, raw_token - lse)
@@ -323,11 +334,11 @@ if triton is not None:
     # The batch size and the per-row settings (slices of per-slot tensors) change from step
     # to step: not specialized, so a new batch size never compiles a new variant.
     @triton.jit(do_not_specialize=["temps_ptr", "top_ks_ptr", "top_ps_ptr", "min_ps_ptr",
-                                   "seeds_ptr", "offsets_ptr", "batch"])
+                                   "seeds_ptr", "offsets_ptr", "batch", "vocab_start"])
     def _sample_kernel(
         logits_ptr, temps_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr, offsets_ptr,
-        tokens_ptr, logprobs_ptr, top_vals_ptr, top_ids_ptr, lse_ptr, allowed_ptr,
-        batch, vocab, stride_row,
+        tokens_ptr, logprobs_ptr, top_vals_ptr, top_ids_ptr, lse_ptr, allowed_ptr, scores_ptr,
+        batch, vocab, stride_row, vocab_start,
         NUM_LOGPROBS: tl.constexpr, WRITE_ALLOWED: tl.constexpr, BLOCK: tl.constexpr,
     ):
         # A program passes over its row many times. With one program per SM walking the rows,
@@ -337,7 +348,8 @@ if triton is not None:
             _sample_row(
                 row, logits_ptr, temps_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr,
                 offsets_ptr, tokens_ptr, logprobs_ptr, top_vals_ptr, top_ids_ptr, lse_ptr,
-                allowed_ptr, vocab, stride_row, NUM_LOGPROBS, WRITE_ALLOWED, BLOCK,
+                allowed_ptr, scores_ptr, vocab, stride_row, vocab_start, NUM_LOGPROBS,
+                WRITE_ALLOWED, BLOCK,
             )
 
 
@@ -353,6 +365,7 @@ def _launch(
     allowed: torch.Tensor | None,
     block: int | None,
     num_warps: int | None,
+    vocab_start: int = 0,
 ) -> FusedSample:
     assert triton is not None, "sample_fused needs triton; use sample_ref"
     assert logits.dim() == 2 and logits.stride(1) == 1, (logits.shape, logits.stride())
@@ -368,6 +381,7 @@ def _launch(
     tokens = torch.empty(batch, dtype=torch.int64, device=dev)
     logprobs = torch.empty(batch, dtype=torch.float32, device=dev)
     lse = torch.empty(batch, dtype=torch.float32, device=dev)
+    scores = torch.empty(batch, dtype=torch.float32, device=dev)
     n = max(num_logprobs, 1)
     top_vals = torch.full((batch, n), float("-inf"), dtype=torch.float32, device=dev)
     top_ids = torch.zeros(batch, n, dtype=torch.int64, device=dev)
@@ -380,15 +394,16 @@ def _launch(
         _sample_kernel[grid](
             logits, temperatures, top_ks, top_ps, min_ps, seeds, offsets,
             tokens, logprobs, top_vals, top_ids, lse, allowed if allowed is not None else tokens,
-            batch, vocab, logits.stride(0),
+            scores, batch, vocab, logits.stride(0), vocab_start,
             NUM_LOGPROBS=num_logprobs, WRITE_ALLOWED=allowed is not None, BLOCK=block,
             num_warps=num_warps,
         )
     if num_logprobs == 0:
-        return FusedSample(tokens, logprobs, None, None)
+        return FusedSample(tokens, logprobs, None, None, scores)
     # The kernel gathers the top-n in vocabulary order; ordering n values is a tiny sort.
     top_vals, order = top_vals.sort(dim=1, descending=True)
-    return FusedSample(tokens, logprobs, top_vals - lse[:, None], top_ids.gather(1, order))
+    top_ids = top_ids.gather(1, order)
+    return FusedSample(tokens, logprobs, top_vals - lse[:, None], top_ids, scores)
 
 
 def sample_fused(
@@ -400,6 +415,7 @@ def sample_fused(
     seeds: torch.Tensor,
     offsets: torch.Tensor,
     num_logprobs: int = 0,
+    vocab_start: int = 0,
     *,
     block: int | None = None,
     num_warps: int | None = None,
@@ -412,9 +428,14 @@ def sample_fused(
     output position into offset (e.g. position * n + sample_index), so a row's draw is
     reproducible and independent of the batch. num_logprobs > 0 also returns the top
     num_logprobs raw logprobs. The module docstring states the exact semantics.
+
+    vocab_start: the columns are token ids vocab_start.. of a larger vocabulary (a
+    tensor-parallel rank's shard): the noise is that of those ids. Token ids returned are
+    column indices; with no top-k, top-p or min-p, the shard of the largest score (the first
+    on ties) holds the full row's token (see FusedSample.scores).
     """
     return _launch(logits, temperatures, top_ks, top_ps, min_ps, seeds, offsets, num_logprobs,
-                   None, block, num_warps)
+                   None, block, num_warps, vocab_start)
 
 
 def allowed_mask_fused(

@@ -57,6 +57,12 @@ class LMHead(UsesBackend, VocabEmbedding):
         # CPU bf16: the weight prepacked for oneDNN (see layers/cpu_gemm.pack_model).
         self.packed_weight: torch.Tensor | None = None
 
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's logits [rows, n] of the token ids vocab_start .. vocab_start + n - 1 it
+        holds (its padding rows left out); every rank, no collective."""
+        logits = self.backend.linear(hidden, self.weight, None, self.packed_weight)
+        return logits[:, : max(0, min(self.rows_per_rank, self.vocab_size - self.vocab_start))]
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.backend.linear(hidden, self.weight, None, self.packed_weight)
         if self.tp.size == 1:

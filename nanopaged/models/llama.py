@@ -181,6 +181,10 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
 
+    def compute_local_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """This rank's vocabulary shard of the logits, and the token id of its first column."""
+        return self.lm_head.local_logits(hidden), self.lm_head.vocab_start
+
 
 def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a Hugging Face checkpoint of this config holds, with its full shape."""

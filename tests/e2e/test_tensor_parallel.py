@@ -94,6 +94,41 @@ def test_tp_greedy_matches_hf(tmp_path, family):
     assert _wait_no_workers() == []
 
 
+def test_tp_samples_vocabulary_shards_as_one_rank_would(tmp_path, monkeypatch):
+    """Steps whose rows sample by temperature alone (or greedily) are sampled by each rank
+    over its slice of an odd vocabulary; steps with top-p or a min_tokens mask gather the
+    logits. Either way the tokens equal a single rank's."""
+    import nanopaged.engine.model_runner as model_runner
+
+    path = make_tiny_model(tmp_path / "qwen3", "qwen3", vocab_size=511)
+    prompts = _prompts(511, seed=3)
+    plain = [SamplingParams(temperature=t, seed=i, max_tokens=12, ignore_eos=True)
+             for i, t in enumerate((0.8, 1.0, 0.0, 1.3))]  # fmt: skip
+    top_p = SamplingParams(temperature=1.0, top_p=0.8, seed=5, max_tokens=12, ignore_eos=True)
+    min_tokens = SamplingParams(temperature=0.9, seed=9, min_tokens=6, max_tokens=12)
+    batches = [plain, [plain[0], top_p, plain[2], plain[3]], [plain[1], min_tokens] * 2]
+    sharded = []
+    real = model_runner.sample_shards
+    monkeypatch.setattr(model_runner, "sample_shards",
+                        lambda *a: sharded.append(1) or real(*a))  # fmt: skip
+    kw = dict(block_size=8, kv_cache_memory=1 << 22)
+    got, counts = [], []
+    with LLM(str(path), tensor_parallel_size=2, **kw) as llm:
+        for params in batches:
+            outs = llm.generate(prompts[: len(params)], params, use_tqdm=False)
+            got.append([o.outputs[0].token_ids for o in outs])
+            counts.append(len(sharded))
+    single = LLM(str(path), **kw)
+    want = [[o.outputs[0].token_ids for o in single.generate(prompts[: len(p)], p,
+                                                            use_tqdm=False)]
+            for p in batches]  # fmt: skip
+    assert got == want
+    assert counts[0] >= 12  # every decode step of the plain batch
+    assert counts[1] == counts[0]  # a top-p row in every step: the logits were gathered
+    assert counts[1] < counts[2] < counts[1] + 12  # sharded once min_tokens was reached
+    assert _wait_no_workers() == []
+
+
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("llama-tp"), "llama")

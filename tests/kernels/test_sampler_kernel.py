@@ -123,6 +123,40 @@ def test_tokens_and_logprobs_equal_ref(dtype):
     assert torch.equal(out.top_token_ids, top_ids)
 
 
+# Temperature alone (greedy included): the settings whose rows can be sampled by shards.
+PLAIN = [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.5, 0, 1.0, 0.0),
+         (0.3, 0, 1.0, 0.0), (0.0, 0, 1.0, 0.0)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16])
+@pytest.mark.parametrize("cuts", [(0, 70, 160), (0, 53, 106, 159, 160)])
+def test_vocabulary_shards_give_the_full_rows_token(dtype, cuts):
+    from nanopaged.distributed.sharded_sampling import pick_across_shards
+
+    logits = distinct_logits(len(PLAIN), 160, dtype, seed=3)
+    # The last row's maximum twice, in two shards: greedy takes the first, as argmax does.
+    logits[-1, 100] = logits[-1, 10] = logits[-1].max() + 1
+    filters = settings_tensors(PLAIN)
+    seeds, offsets = keys(len(PLAIN))
+    full = sample_fused(logits, *filters, seeds, offsets, block=64)
+    full_ref = sample_ref(logits, *filters, seeds, offsets)
+    assert torch.equal(full.token_ids, full_ref.token_ids) and full.token_ids[-1] == 10
+    torch.testing.assert_close(full.scores, full_ref.scores)
+    for fused in (True, False):
+        scores, tokens = [], []
+        for a, b in zip(cuts, cuts[1:]):
+            shard = logits[:, a:b]  # strided rows, as a rank's slice of the LM head output
+            if fused:
+                out = sample_fused(shard, *filters, seeds, offsets, vocab_start=a, block=64)
+            else:
+                out = sample_ref(shard, *filters, seeds, offsets, vocab_start=a)
+            scores.append(out.scores)
+            tokens.append(out.token_ids + a)
+        got = pick_across_shards(torch.stack(scores), torch.stack(tokens))
+        assert torch.equal(got, full.token_ids), fused
+        assert torch.equal(torch.stack(scores).amax(dim=0), (full if fused else full_ref).scores)
+
+
 def test_rows_independent_and_reproducible():
     settings = [(1.0, 0, 1.0, 0.0), (0.9, 30, 0.9, 0.0), (1.5, 0, 0.95, 0.01)]
     logits = distinct_logits(3, 100, f32, seed=5)

@@ -85,8 +85,11 @@ def test_unsplittable_shapes():
             check_tp_shapes(*args)
 
 
-def test_step_inputs_survive_packing():
+@pytest.mark.parametrize("sharded", [False, True])
+def test_step_inputs_survive_packing(sharded):
     rng = np.random.default_rng(0)
+    settings = np.stack([np.array([0.7, 0.0], np.float32).view(np.int32).astype(np.int64),
+                         np.array([-5, 2**40]), np.array([0, 17])])  # fmt: skip
     step = StepInputs(
         input_ids=rng.integers(0, 500, 7),
         positions=np.arange(7),
@@ -101,6 +104,9 @@ def test_step_inputs_survive_packing():
         pending_dst=np.array([4]),
         pending_src=np.array([1]),
     )
+    if sharded:
+        step.sample_settings = settings
+    assert step.samples_sharded == sharded
     back = StepInputs.unpack(step.pack())
     for name, value in vars(step).items():
         got = getattr(back, name)
