@@ -33,8 +33,7 @@ class TensorParallel:
 
     def enable_peer_all_reduce(self, device: torch.device) -> bool:
         """Collective: sum small tensors through peer memory from now on, if every rank can
-        (CUDA, peer access between every pair of GPUs, torch's symmetric memory); whether
-        it is on."""
+        (CUDA, peer access between every pair of GPUs, CUDA IPC); whether it is on."""
         # The environment is the same on every rank (workers inherit it): no collective yet.
         if self.size == 1 or device.type != "cuda" or os.environ.get(PEER_ALL_REDUCE_ENV) == "0":
             return False

@@ -83,7 +83,7 @@ def test_tp_greedy_matches_hf(tmp_path, family):
         assert llm.block_manager.num_free_blocks == free_before
         if family == "llama":
             assert llm.scheduler.num_preemptions > 0
-            # n > 1 seeded samples: rank 0 samples, so they equal a single rank's.
+            # n > 1 seeded top-p samples (the logits gathered to rank 0) equal a single rank's.
             params = SamplingParams(n=3, temperature=1.0, top_p=0.9, seed=7, max_tokens=8)
             got = llm.generate(prompts[:2], params, use_tqdm=False)
             want = LLM(str(path), **kw).generate(prompts[:2], params, use_tqdm=False)
