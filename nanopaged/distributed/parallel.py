@@ -132,7 +132,7 @@ class TensorParallel:
 
 class PeerAllReduce:
     """Staging buffers and signal pads that every rank can address, for the one-kernel sum in
-    nanopaged.kernels.all_reduce: 0.55-0.8x of NCCL's time from 1 to 1024 rows of 5120 bf16
+    nanopaged.kernels.all_reduce: 0.5-0.8x of NCCL's time from 1 to 1024 rows of 5120 bf16
     on two NVLinked H200s (benchmarks/all_reduce_bench.py).
 
     One block per rank holds the buffer (a slot of max_bytes per rank) and, after it, the pad;
