@@ -12,6 +12,10 @@ except ImportError:  # CPU-only installs use silu_and_mul_ref
     triton = None
 
 
+# fp32 elements of one slice of silu_and_mul_ref's 16-bit path
+SLICE_ELEMENTS = 1 << 18
+
+
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """Torch reference: x [num_tokens, 2 * d] -> silu(x[:, :d]) * x[:, d:] in fp32 (fp64 stays
     fp64), rounded once."""
@@ -23,8 +27,8 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     # each updated in place, rounded once into the output.
     d = x.shape[-1] // 2
     rows = x.reshape(-1, 2 * d)
+    step = max(1, SLICE_ELEMENTS // d)
     out = torch.empty(rows.shape[0], d, dtype=x.dtype, device=x.device)
-    step = max(1, (1 << 16) // d)
     for start in range(0, rows.shape[0], step):
         part = rows[start : start + step]
         acc = part[:, :d].to(work)
