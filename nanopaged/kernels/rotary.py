@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from nanopaged.kernels.rms_norm import rms_norm_ref
+
 try:
     import triton
     import triton.language as tl
@@ -11,9 +13,25 @@ except ImportError:  # CPU-only installs use rotary_ref / qk_norm_rotary_ref
     triton = None
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+def rotary_tables_ref(
+    cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos/sin table rows at positions, cast to dtype: [num_tokens, 1, head_dim] each, the
+    sin row's first half negated (rotate_half's sign moved into the table, see rotate_ref)."""
+    cos_t = cos.index_select(0, positions).to(dtype)
+    sin_t = sin.index_select(0, positions).to(dtype)  # index_select made a copy: negate in place
+    sin_t[:, : sin_t.shape[-1] // 2].neg_()
+    return cos_t.unsqueeze(1), sin_t.unsqueeze(1)
+
+
+def rotate_ref(x: torch.Tensor, cos_t: torch.Tensor, signed_sin_t: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1], in x's dtype (each product and
+    the sum rounded, as torch rounds them). x: [num_tokens, heads, head_dim]; the tables from
+    rotary_tables_ref. [x2, x1] times the signed sin gives rotate_half(x) * sin bit for bit
+    (-a * b == a * -b): one roll instead of a split, a negation and a concatenation."""
+    out = x * cos_t
+    out += x.roll(x.shape[-1] // 2, dims=-1).mul_(signed_sin_t)
+    return out
 
 
 def rotary_ref(
@@ -25,18 +43,8 @@ def rotary_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference: x * cos + rotate_half(x) * sin with the tables cast to x's dtype."""
     # q: [num_tokens, num_heads, head_dim]; cos_t, sin_t: [num_tokens, 1, head_dim]
-    cos_t = cos[positions].unsqueeze(1).to(q.dtype)
-    sin_t = sin[positions].unsqueeze(1).to(q.dtype)
-    q = q * cos_t + _rotate_half(q) * sin_t
-    k = k * cos_t + _rotate_half(k) * sin_t
-    return q, k
-
-
-def _head_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    cos_t, sin_t = rotary_tables_ref(cos, sin, positions, q.dtype)
+    return rotate_ref(q, cos_t, sin_t), rotate_ref(k, cos_t, sin_t)
 
 
 def qk_norm_rotary_ref(
@@ -50,8 +58,8 @@ def qk_norm_rotary_ref(
     positions: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference: RMSNorm of every q and k head over head_dim, then rotary_ref."""
-    q = _head_rms_norm_ref(q, q_weight, eps)
-    k = _head_rms_norm_ref(k, k_weight, eps)
+    q = rms_norm_ref(q, q_weight, eps)
+    k = rms_norm_ref(k, k_weight, eps)
     return rotary_ref(q, k, cos, sin, positions)
 
 

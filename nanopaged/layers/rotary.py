@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from nanopaged.kernels.rotary import apply_rotary, qk_norm_rotary
+from nanopaged.kernels.rotary import apply_rotary, qk_norm_rotary, rotary_tables_ref, rotate_ref
 from nanopaged.layers.backend import UsesBackend
 from nanopaged.layers.norm import RMSNorm
 
@@ -53,28 +53,22 @@ class RotaryEmbedding(UsesBackend, nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
         self._last_cos_sin: tuple | None = None
 
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([-x2, x1], dim=-1)
-
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.backend.triton:
             return apply_rotary(q, k, self.cos, self.sin, positions)
-        cos, sin = self._cos_sin(positions, q.dtype)
+        cos, sin = self._tables(positions, q.dtype)
         # qk: [num_tokens, num_heads + num_kv_heads, head_dim]; on CPU each op's dispatch is a
         # visible share of a decode step, so q and k rotate together (the same math per element).
-        qk = torch.cat([q, k], dim=1)
-        qk = qk * cos + self._rotate_half(qk) * sin
+        qk = rotate_ref(_joined_heads(q, k), cos, sin)
         return qk.split([q.shape[1], k.shape[1]], dim=1)
 
-    def _cos_sin(
+    def _tables(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [num_tokens, 1, head_dim] at positions; every layer of a step asks for the
-        same rows, so they are looked up once (compared by value: a tensor may be reused)."""
+        """rotary_tables_ref's rows at positions; every layer of a step asks for the same rows,
+        so they are looked up once (compared by value: a tensor may be reused)."""
         last = self._last_cos_sin
         if (
             last is None
@@ -82,8 +76,7 @@ class RotaryEmbedding(UsesBackend, nn.Module):
             or last[1].dtype != dtype
             or not torch.equal(last[0], positions)
         ):
-            cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
-            sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
+            cos, sin = rotary_tables_ref(self.cos, self.sin, positions, dtype)
             last = self._last_cos_sin = (positions.clone(), cos, sin)
         return last[1], last[2]
 
@@ -103,3 +96,22 @@ class RotaryEmbedding(UsesBackend, nn.Module):
                 q, k, q_norm.weight, k_norm.weight, q_norm.eps, self.cos, self.sin, positions
             )
         return self(positions, q_norm(q), k_norm(k))
+
+
+def _joined_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim] as one
+    tensor of num_heads + num_kv_heads heads: a view where k's heads follow q's in memory (q and
+    k split from one packed qkv row), a concatenated copy otherwise."""
+    if (
+        q.dtype == k.dtype
+        and q.device == k.device
+        and q.stride() == k.stride()
+        and q.stride(2) == 1
+        and q.stride(1) == q.shape[2] == k.shape[2]
+        and q.shape[0] == k.shape[0]
+        and q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+        and k.storage_offset() == q.storage_offset() + q.shape[1] * q.shape[2]
+    ):
+        shape = (q.shape[0], q.shape[1] + k.shape[1], q.shape[2])
+        return q.as_strided(shape, q.stride(), q.storage_offset())
+    return torch.cat([q, k], dim=1)
