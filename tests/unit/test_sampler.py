@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from nanopaged.kernels.sampler import allowed_mask_ref
-from nanopaged.layers.sampler import SamplingTensors, sample
+from nanopaged.layers.sampler import ARGMAX_CHUNK, SamplingTensors, greedy_tokens, sample
 
 
 def _st(temps, top_ps=None, top_ks=None, min_ps=None, seeds=None, offsets=None):
@@ -88,3 +88,22 @@ def test_samples_follow_distribution():
         counts[sample(logits, _st([1.0], seeds=[5], offsets=[offset])).token_ids] += 1
     freq = counts / counts.sum()
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+
+
+def test_greedy_tokens_equal_argmax():
+    """The CPU's chunked search returns argmax's index: the first of tied maxima, the first NaN,
+    0 for a row of -inf, in any dtype; vocabularies that do not split into chunks included."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for vocab in (ARGMAX_CHUNK * 7, ARGMAX_CHUNK * 7 + 5):
+            logits = torch.randn(6, vocab, generator=g).to(dtype)
+            logits[1, [3, ARGMAX_CHUNK + 3, vocab - 1]] = 50.0  # ties across chunks
+            logits[2, [ARGMAX_CHUNK + 1, ARGMAX_CHUNK + 9]] = 50.0  # ties inside a chunk
+            logits[3, [2 * ARGMAX_CHUNK + 4, 5 * ARGMAX_CHUNK]] = float("nan")
+            logits[3, 0] = float("inf")
+            logits[4] = float("-inf")
+            logits[5, vocab - 1] = float("inf")
+            expected = logits.argmax(dim=-1)
+            assert expected[1] == 3 and expected[2] == ARGMAX_CHUNK + 1  # argmax's own rule
+            assert torch.equal(greedy_tokens(logits), expected)
+    assert greedy_tokens(torch.zeros(0, ARGMAX_CHUNK * 2)).shape == (0,)
