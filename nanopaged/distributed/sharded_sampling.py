@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from nanopaged.engine.sampling import needs_sample_outputs, row_stream
 from nanopaged.layers.backend import backend_for
 
 if TYPE_CHECKING:
@@ -29,8 +30,6 @@ if TYPE_CHECKING:
 def can_shard(seqs: list[Sequence]) -> bool:
     """Whether every sampling row of seqs takes its token by temperature alone (or greedily)
     from its own row of logits: nothing that needs the whole row at once."""
-    from nanopaged.engine.sampling import needs_sample_outputs
-
     if not seqs or needs_sample_outputs(seqs):
         return False
     for seq in seqs:
@@ -44,8 +43,6 @@ def can_shard(seqs: list[Sequence]) -> bool:
 
 def settings_array(seqs: list[Sequence]) -> np.ndarray:
     """[3, rows] int64 for the step's wire: temperature (fp32 bits), seed, output position."""
-    from nanopaged.engine.sampling import row_stream
-
     temps = np.array([s.sampling_params.temperature for s in seqs], dtype=np.float32)
     seeds = np.array([row_stream(s) for s in seqs], dtype=np.int64)
     offsets = np.array([s.num_output_tokens for s in seqs], dtype=np.int64)

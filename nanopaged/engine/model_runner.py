@@ -514,10 +514,11 @@ class ModelRunner:
         last = np.cumsum(batch.num_scheduled_tokens) - 1
         ids_np = np.asarray(input_ids, dtype=np.int64)
         pending_dst, pending_src = self._pending_inputs(seqs, host["cu_seqlens_q"])
-        sampled_seqs = [seqs[i] for i in sampling_rows]
         settings = None
-        if self.tp.size > 1 and can_shard(sampled_seqs):
-            settings = settings_array(sampled_seqs)
+        if self.tp.size > 1:
+            sampled_seqs = [seqs[i] for i in sampling_rows]
+            if can_shard(sampled_seqs):
+                settings = settings_array(sampled_seqs)
         return StepInputs(
             input_ids=ids_np,
             positions=host["positions"],
