@@ -54,6 +54,7 @@ def rank_main(rank: int, world: int, hidden: int, sweep: bool, tune: bool) -> No
     import torch.distributed as dist
 
     from nanopaged.distributed.parallel import TensorParallel
+    from nanopaged.kernels.rms_norm import rms_norm
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -70,6 +71,16 @@ def rank_main(rank: int, world: int, hidden: int, sweep: bool, tune: bool) -> No
         mb = x.numel() * x.element_size() / 1e6
         line = (f"{rows:5d} x {hidden} bf16 ({mb:6.2f} MB): NCCL {nccl:6.1f} us, peer "
                 f"{peer:6.1f} us = {nccl / peer:4.2f}x")  # fmt: skip
+        # The sum with the residual add and RMSNorm after it: two kernels, or the fused one.
+        residual, weight = torch.zeros_like(x), torch.ones(hidden, dtype=x.dtype, device=device)
+        def apart(x=x, r=residual, w=weight):
+            tp.peer.all_reduce(x)
+            rms_norm(x, w, 1e-6, r)
+
+        apart_us = graph_us(apart)
+        fused_us = graph_us(lambda x=x, r=residual, w=weight: tp.peer.all_reduce_rms_norm(
+            x, r, w, 1e-6))  # fmt: skip
+        line += f"; + add + norm: {apart_us:6.1f} us apart, {fused_us:6.1f} us fused"
         if sweep:
             for programs in (8, 32):
                 us = graph_us(lambda x=x, p=programs: tp.peer.all_reduce(x, max_programs=p))

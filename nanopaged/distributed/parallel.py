@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,11 @@ class TensorParallel:
     group: dist.ProcessGroup | None = None
     collective_failed: Callable[[BaseException], None] | None = None
     peer: PeerAllReduce | None = None  # set by enable_peer_all_reduce
+    # On rank 0: held around each call into the group. A worker's failure aborts the group
+    # only outside these calls (an abort stuck behind a CUDA graph's NCCL kernels holds the
+    # group's own lock, and a call made then would wait on it for good); once the failure is
+    # known, entering raises the worker's error instead.
+    guard: AbstractContextManager | None = None
 
     def enable_peer_all_reduce(self, device: torch.device) -> bool:
         """Collective: sum small tensors through peer memory from now on, if every rank can
@@ -64,10 +70,16 @@ class TensorParallel:
         assert total % self.size == 0, f"{total} is not divisible by {self.size}"
         return total // self.size
 
-    def _failed(self, error: BaseException) -> None:
-        if self.collective_failed is not None:
-            self.collective_failed(error)  # raises the worker's error when one was reported
-        raise error
+    def _call(self, collective: Callable, *args, **kwargs) -> None:
+        """One call into the group (under guard); a failure becomes the worker's error when a
+        worker reported one."""
+        try:
+            with self.guard or nullcontext():
+                collective(*args, group=self.group, **kwargs)
+        except RuntimeError as e:
+            if self.collective_failed is not None:
+                self.collective_failed(e)  # raises the worker's error when one was reported
+            raise
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place."""
@@ -76,11 +88,25 @@ class TensorParallel:
         if self.peer is not None and self.peer.fits(x):
             self.peer.all_reduce(x)
             return x
-        try:
-            dist.all_reduce(x, group=self.group)
-        except RuntimeError as e:
-            self._failed(e)
+        self._call(dist.all_reduce, x)
         return x
+
+    def all_reduce_rms_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        rms_norm: Callable,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(sum + residual), sum + residual), the sum that of x over the ranks: one peer
+        kernel when x fits it, else the all-reduce (x summed in place), then rms_norm (the
+        backend's: (x, weight, eps, residual) -> (out, x + residual))."""
+        if self.size > 1:
+            if self.peer is not None and self.peer.fits_rows(x, residual):
+                return self.peer.all_reduce_rms_norm(x, residual, weight, eps)
+            self.all_reduce(x)
+        return rms_norm(x, weight, eps, residual)
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Rank 0 gets every rank's x concatenated along the last dim; other ranks get None."""
@@ -88,10 +114,7 @@ class TensorParallel:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        try:
-            dist.gather(x, parts, dst=0, group=self.group)
-        except RuntimeError as e:
-            self._failed(e)
+        self._call(dist.gather, x, parts, dst=0)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
     def min_over_ranks(self, value: int) -> int:
@@ -102,10 +125,7 @@ class TensorParallel:
             self.group
         ) == "nccl" else torch.device("cpu")  # fmt: skip
         x = torch.tensor([value], dtype=torch.int64, device=device)
-        try:
-            dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.group)
-        except RuntimeError as e:
-            self._failed(e)
+        self._call(dist.all_reduce, x, op=dist.ReduceOp.MIN)
         return int(x.item())
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,20 +133,14 @@ class TensorParallel:
         if self.size == 1:
             return x[None]
         out = x.new_empty((self.size, *x.shape))
-        try:
-            dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
-        except RuntimeError as e:
-            self._failed(e)
+        self._call(dist.all_gather_into_tensor, out, x.contiguous())
         return out
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x on every rank, in place."""
         if self.size == 1:
             return x
-        try:
-            dist.broadcast(x, src=0, group=self.group)
-        except RuntimeError as e:
-            self._failed(e)
+        self._call(dist.broadcast, x, src=0)
         return x
 
 
@@ -178,6 +192,20 @@ class PeerAllReduce:
             x.dtype in self.DTYPES
             and x.is_contiguous()
             and x.numel() * x.element_size() <= self.max_bytes
+        )
+
+    def fits_rows(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """x [num_rows, hidden] and its residual can go through all_reduce_rms_norm."""
+        return x.dim() == 2 and self.fits(x) and residual.is_contiguous()
+
+    def all_reduce_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, **launch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x summed over the ranks plus residual, and its RMSNorm, in one kernel."""
+        from nanopaged.kernels.all_reduce import peer_all_reduce_rms_norm
+
+        return peer_all_reduce_rms_norm(
+            x, residual, weight, eps, self.ptrs, self.rank, self.size, self.max_bytes, **launch
         )
 
     def all_reduce(self, x: torch.Tensor, **launch) -> None:

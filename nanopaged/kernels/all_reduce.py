@@ -27,9 +27,13 @@ from __future__ import annotations
 
 import torch
 
+from nanopaged.kernels.rms_norm import rms_norm_ref
+
 try:
     import triton
     import triton.language as tl
+
+    from nanopaged.kernels.rms_norm import rms_normalize
 except ImportError:  # CPU-only installs never use the peer all-reduce
     triton = None
 
@@ -56,6 +60,13 @@ def all_reduce_ref(parts: list[torch.Tensor]) -> torch.Tensor:
     for p in parts:
         acc += p.float()
     return acc.to(parts[0].dtype)
+
+
+def all_reduce_rms_norm_ref(
+    parts: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(sum + residual) * weight, sum + residual): the all-reduce, then rms_norm_ref."""
+    return rms_norm_ref(all_reduce_ref(parts), weight, eps, residual)
 
 
 if triton is not None:
@@ -126,6 +137,45 @@ if triton is not None:
         tl.debug_barrier()  # the others go on once thread 0 has seen every peer's word
 
     @triton.jit
+    def _send_part(x_ptr, ptrs_ptr, own, lo, hi,
+                   RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                   SLOT: tl.constexpr, PUSH: tl.constexpr):  # fmt: skip
+        # Elements [lo, hi) of x into slot RANK of every peer's buffer (push), or into slot 0
+        # of this rank's buffer, where the peers read them.
+        offs = tl.arange(0, BLOCK)
+        dtype = x_ptr.dtype.element_ty
+        for start in range(lo, hi, BLOCK):
+            idx = start + offs
+            mask = idx < hi
+            part = tl.load(x_ptr + idx, mask=mask)
+            if PUSH:
+                for peer in tl.static_range(WORLD):
+                    if peer != RANK:
+                        dst = tl.load(ptrs_ptr + peer).to(tl.pointer_type(dtype)) + RANK * SLOT
+                        tl.store(tl.multiple_of(dst, 16) + idx, part, mask=mask)
+            else:
+                tl.store(own + idx, part, mask=mask)
+
+    @triton.jit
+    def _sum_parts(x_ptr, ptrs_ptr, own, idx, mask,
+                   RANK: tl.constexpr, WORLD: tl.constexpr, SLOT: tl.constexpr,
+                   PUSH: tl.constexpr):  # fmt: skip
+        # Every rank's elements idx of x summed in rank order, in fp32.
+        dtype = x_ptr.dtype.element_ty
+        acc = tl.zeros(idx.shape, dtype=tl.float32)
+        for r in tl.static_range(WORLD):
+            if r == RANK:
+                acc += tl.load(x_ptr + idx, mask=mask).to(tl.float32)
+            else:
+                if PUSH:
+                    src = tl.multiple_of(own + r * SLOT, 16)
+                else:
+                    src = tl.multiple_of(tl.load(ptrs_ptr + r).to(tl.pointer_type(dtype)), 16)
+                # .cg: past L1, which may hold this address from an earlier call
+                acc += tl.load(src + idx, mask=mask, cache_modifier=".cg").to(tl.float32)
+        return acc
+
+    @triton.jit
     def _peer_all_reduce_kernel(
         x_ptr,  # [numel], summed in place
         ptrs_ptr,  # int64 [2 * WORLD + 1]: every rank's buffer, every rank's pad, abort word
@@ -144,41 +194,71 @@ if triton is not None:
         hi = tl.minimum(lo + per_program, numel)
         if ALIGNED:  # whole 16-element groups: the accesses vectorize
             hi = tl.multiple_of(hi, 16)
-        offs = tl.arange(0, BLOCK)
         dtype = x_ptr.dtype.element_ty
         abort_ptr = tl.load(ptrs_ptr + 2 * WORLD).to(tl.pointer_type(tl.int64))
         # The buffers are page-aligned: say so, or their accesses are not vectorized.
         own = tl.multiple_of(tl.load(ptrs_ptr + RANK).to(tl.pointer_type(dtype)), 16)
         own_pad = tl.load(ptrs_ptr + WORLD + RANK).to(tl.pointer_type(tl.int64))
         generation = tl.load(own_pad + pid)  # only this program of this rank writes it
-        for start in range(lo, hi, BLOCK):
-            idx = start + offs
-            mask = idx < hi
-            part = tl.load(x_ptr + idx, mask=mask)
-            if PUSH:  # into slot RANK of every peer's buffer
-                for peer in tl.static_range(WORLD):
-                    if peer != RANK:
-                        dst = tl.load(ptrs_ptr + peer).to(tl.pointer_type(dtype)) + RANK * SLOT
-                        tl.store(tl.multiple_of(dst, 16) + idx, part, mask=mask)
-            else:  # into slot 0 of this rank's buffer, where the peers read it
-                tl.store(own + idx, part, mask=mask)
+        _send_part(x_ptr, ptrs_ptr, own, lo, hi, RANK, WORLD, BLOCK, SLOT, PUSH)
         _barrier(ptrs_ptr, pid, generation + 1, abort_ptr, RANK, WORLD, NUM_PROGRAMS)
+        offs = tl.arange(0, BLOCK)
         for start in range(lo, hi, BLOCK):
             idx = start + offs
             mask = idx < hi
-            acc = tl.zeros([BLOCK], dtype=tl.float32)
-            for r in tl.static_range(WORLD):
-                if r == RANK:
-                    acc += tl.load(x_ptr + idx, mask=mask).to(tl.float32)
-                else:
-                    if PUSH:
-                        src = tl.multiple_of(own + r * SLOT, 16)
-                    else:
-                        src = tl.multiple_of(tl.load(ptrs_ptr + r).to(tl.pointer_type(dtype)), 16)
-                    # .cg: past L1, which may hold this address from an earlier call
-                    part = tl.load(src + idx, mask=mask, cache_modifier=".cg")
-                    acc += part.to(tl.float32)
+            acc = _sum_parts(x_ptr, ptrs_ptr, own, idx, mask, RANK, WORLD, SLOT, PUSH)
             tl.store(x_ptr + idx, acc.to(dtype), mask=mask)
+        _barrier(ptrs_ptr, pid, generation + 2, abort_ptr, RANK, WORLD, NUM_PROGRAMS)
+        tl.store(own_pad + pid, generation + 2)
+
+    @triton.jit
+    def _peer_all_reduce_rms_norm_kernel(
+        x_ptr,  # [num_rows, hidden] contiguous: this rank's part of the sum
+        residual_ptr,  # [num_rows, hidden] contiguous
+        weight_ptr,  # [hidden]
+        out_ptr,  # [num_rows, hidden]: norm(sum + residual) * weight
+        new_residual_ptr,  # [num_rows, hidden]: sum + residual
+        ptrs_ptr,  # as _peer_all_reduce_kernel's
+        num_rows,
+        hidden,
+        inv_hidden,
+        eps,
+        rows_per_program,
+        RANK: tl.constexpr,
+        WORLD: tl.constexpr,
+        NUM_PROGRAMS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        BLOCK_N: tl.constexpr,  # covers the hidden size
+        SLOT: tl.constexpr,
+        PUSH: tl.constexpr,
+    ):
+        # Program p sums, adds and normalizes whole rows, so the barriers stay per program.
+        pid = tl.program_id(0)
+        row_lo = pid * rows_per_program
+        row_hi = tl.minimum(row_lo + rows_per_program, num_rows)
+        dtype = x_ptr.dtype.element_ty
+        abort_ptr = tl.load(ptrs_ptr + 2 * WORLD).to(tl.pointer_type(tl.int64))
+        own = tl.multiple_of(tl.load(ptrs_ptr + RANK).to(tl.pointer_type(dtype)), 16)
+        own_pad = tl.load(ptrs_ptr + WORLD + RANK).to(tl.pointer_type(tl.int64))
+        generation = tl.load(own_pad + pid)
+        lo = row_lo.to(tl.int64) * hidden
+        hi = row_hi.to(tl.int64) * hidden
+        _send_part(x_ptr, ptrs_ptr, own, lo, hi, RANK, WORLD, BLOCK, SLOT, PUSH)
+        _barrier(ptrs_ptr, pid, generation + 1, abort_ptr, RANK, WORLD, NUM_PROGRAMS)
+        cols = tl.arange(0, BLOCK_N)[None, :]
+        col_mask = cols < hidden
+        w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0)
+        for row in range(row_lo, row_hi):
+            idx = row.to(tl.int64) * hidden + cols
+            # The all-reduce's sum, rounded to x's dtype, then the residual added and rounded,
+            # as all-reduce then rms_norm(x, residual) compute them.
+            total = _sum_parts(x_ptr, ptrs_ptr, own, idx, col_mask, RANK, WORLD, SLOT, PUSH)
+            r = tl.load(residual_ptr + idx, mask=col_mask, other=0.0)
+            h = (total.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)
+            h = tl.where(col_mask, h, 0.0).to(dtype)
+            tl.store(new_residual_ptr + idx, h, mask=col_mask)
+            out = rms_normalize(h, w, inv_hidden, eps)
+            tl.store(out_ptr + idx, out.to(out_ptr.dtype.element_ty), mask=col_mask)
         _barrier(ptrs_ptr, pid, generation + 2, abort_ptr, RANK, WORLD, NUM_PROGRAMS)
         tl.store(own_pad + pid, generation + 2)
 
@@ -215,3 +295,38 @@ def peer_all_reduce(
         SLOT=slot_bytes // x.element_size(), PUSH=push, ALIGNED=numel % 16 == 0,
         num_warps=num_warps,
     )  # fmt: skip
+
+
+def peer_all_reduce_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    ptrs: torch.Tensor,
+    rank: int,
+    world_size: int,
+    slot_bytes: int,
+    push: bool = PUSH,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, new_residual): new_residual = x summed over the ranks + residual, out its RMSNorm
+    times weight, in one kernel; x [num_rows, hidden] is left as it was, and ptrs and
+    slot_bytes are as for peer_all_reduce. Every rank calls it with the same shapes."""
+    assert x.dim() == 2 and x.is_contiguous() and residual.is_contiguous(), (x.shape, x.stride())
+    assert residual.shape == x.shape and residual.dtype == x.dtype
+    num_rows, hidden = x.shape
+    assert weight.shape == (hidden,) and weight.is_contiguous() and weight.device == x.device
+    assert x.numel() * x.element_size() <= slot_bytes and slot_bytes % x.element_size() == 0
+    out = torch.empty_like(x, dtype=torch.promote_types(x.dtype, weight.dtype))
+    new_residual = torch.empty_like(x)
+    if num_rows == 0:
+        return out, new_residual
+    rows_per_program = triton.cdiv(num_rows, min(num_rows, MAX_PROGRAMS))
+    block_n = triton.next_power_of_2(hidden)
+    _peer_all_reduce_rms_norm_kernel[(triton.cdiv(num_rows, rows_per_program),)](
+        x, residual, weight, out, new_residual, ptrs,
+        num_rows, hidden, 1.0 / hidden, eps, rows_per_program,
+        RANK=rank, WORLD=world_size, NUM_PROGRAMS=MAX_PROGRAMS, BLOCK=BLOCK, BLOCK_N=block_n,
+        SLOT=slot_bytes // x.element_size(), PUSH=push,
+        num_warps=8 if block_n >= 4096 else 4,
+    )  # fmt: skip
+    return out, new_residual

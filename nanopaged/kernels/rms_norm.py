@@ -27,6 +27,17 @@ def rms_norm_ref(
 if triton is not None:
 
     @triton.jit
+    def rms_normalize(x, w, inv_hidden, eps):
+        """Rows of x [rows, BLOCK_N] (zero past the hidden size) normalized in fp32, rounded to
+        x's dtype, times w [1, BLOCK_N], in fp32 (the caller rounds): rms_norm_ref's arithmetic."""
+        xf = x.to(tl.float32)
+        # torch's CUDA mean multiplies the sum by fp32(1 / n); do the same.
+        mean_sq = tl.sum(xf * xf, axis=1, keep_dims=True) * inv_hidden
+        y = (xf * tl.rsqrt(mean_sq + eps)).to(x.dtype).to(tl.float32)
+        # A product of two 16-bit floats is exact in fp32, so one rounding equals torch's.
+        return y * w.to(tl.float32)
+
+    @triton.jit
     def _rms_norm_kernel(
         x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
         num_rows, hidden, inv_hidden, eps,
@@ -44,14 +55,8 @@ if triton is not None:
             # Rounded to x's dtype before the norm reads it, as torch's x + residual is.
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
             tl.store(new_residual_ptr + row_off * stride_nr + cols[None, :], x, mask=mask)
-        xf = x.to(tl.float32)
-        # torch's CUDA mean multiplies the sum by fp32(1 / n); do the same.
-        mean_sq = tl.sum(xf * xf, axis=1) * inv_hidden
-        rstd = tl.rsqrt(mean_sq + eps)
-        y = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
-        # A product of two 16-bit floats is exact in fp32, so one rounding equals torch's.
-        out = (y * w[None, :]).to(out_ptr.dtype.element_ty)
+        w = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0)
+        out = rms_normalize(x, w[None, :], inv_hidden, eps).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row_off * stride_o + cols[None, :], out, mask=mask)
 
 

@@ -131,8 +131,9 @@ class RowParallelLinear(Linear):
     """Input features split over the ranks: weight [output_size, input_size / tp]; the partial
     products are summed across ranks and the bias added once, after the sum.
 
-    reduce_results=False leaves the partial product to a caller that sums several of them
-    with one all-reduce (the MoE block's shared expert and routed experts).
+    reduce_results=False leaves the partial product to the caller, which sums it with others
+    (the MoE block's experts) or in the RMSNorm that follows (the decoder layers); rank 0's
+    part then carries the bias, so the sum holds it once.
     """
 
     def __init__(
@@ -144,7 +145,6 @@ class RowParallelLinear(Linear):
         reduce_results: bool = True,
     ) -> None:
         super().__init__(tp.shard(input_size), output_size, bias)
-        assert reduce_results or not bias, "a bias is added once, after the sum"
         self.tp = tp
         self.reduce_results = reduce_results
 
@@ -158,7 +158,10 @@ class RowParallelLinear(Linear):
         default_weight_loader(param, _shard(loaded, full, 1, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1 or not self.reduce_results:
+        if self.tp.size == 1:
             return self.backend.linear(x, self.weight, self.bias, self.packed_weight)
+        if not self.reduce_results:
+            bias = self.bias if self.tp.rank == 0 else None
+            return self.backend.linear(x, self.weight, bias, self.packed_weight)
         out = self.tp.all_reduce(self.backend.linear(x, self.weight, None, self.packed_weight))
         return out if self.bias is None else out + self.bias

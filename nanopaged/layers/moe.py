@@ -104,8 +104,10 @@ class SparseMoeBlock(nn.Module):
         norm_topk_prob: bool,
         shared_expert_size: int = 0,
         tp: TensorParallel = SINGLE,
+        reduce_results: bool = True,
     ) -> None:
         super().__init__()
+        self.reduce_results = reduce_results  # False: the caller sums the ranks' parts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.tp = tp
@@ -127,4 +129,4 @@ class SparseMoeBlock(nn.Module):
         out = self.experts(x, topk_weights.to(x.dtype), topk_ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.tp.all_reduce(out)
+        return self.tp.all_reduce(out) if self.reduce_results else out

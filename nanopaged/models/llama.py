@@ -39,8 +39,9 @@ class DecoderAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
+        # Left unreduced: the post-attention norm sums it over the ranks.
         self.o_proj = RowParallelLinear(
-            config.num_heads * config.head_dim, config.hidden_size, bias=False, tp=tp
+            config.num_heads * config.head_dim, config.hidden_size, False, tp, reduce_results=False
         )
         self.rotary = rotary
         if config.qk_norm:
@@ -68,7 +69,7 @@ class DecoderAttention(nn.Module):
         else:
             q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v, meta)
-        # out: [num_tokens, num_heads, head_dim] -> [num_tokens, hidden_size] (summed over ranks)
+        # out: [num_tokens, num_heads, head_dim] -> [num_tokens, hidden_size] (this rank's part)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -79,7 +80,10 @@ class DecoderMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [size, size], [0, 1], bias=config.mlp_bias, tp=tp
         )
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias, tp=tp)
+        # Left unreduced: the next layer's input norm (or the final norm) sums it.
+        self.down_proj = RowParallelLinear(
+            size, config.hidden_size, config.mlp_bias, tp, reduce_results=False
+        )
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,7 +94,7 @@ def sparse_moe_block(config: ModelConfig, tp: TensorParallel) -> SparseMoeBlock:
     c = config
     return SparseMoeBlock(
         c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
-        c.norm_topk_prob, c.shared_expert_intermediate_size, tp,
+        c.norm_topk_prob, c.shared_expert_intermediate_size, tp, reduce_results=False,
     )  # fmt: skip
 
 
@@ -104,6 +108,7 @@ class DecoderLayer(nn.Module):
         self.mlp = sparse_moe_block(config, tp) if sparse else DecoderMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tp = tp
 
     def forward(
         self,
@@ -112,13 +117,16 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # hidden: the embeddings (residual None) or the previous layer's MLP output. Under
+        # tensor parallelism the attention and MLP outputs are each rank's part of a sum, and
+        # the norm after each sums them (with the residual add, in one kernel on CUDA).
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, self.tp)
         hidden = self.self_attn(positions, hidden, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, self.tp)
         return self.mlp(hidden), residual
 
 
@@ -136,6 +144,7 @@ class DecoderModel(nn.Module):
             [DecoderLayer(config, i, rotary, tp) for i in range(config.num_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tp = tp
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -144,7 +153,7 @@ class DecoderModel(nn.Module):
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = self.norm(hidden, residual, self.tp)
         return hidden
 
 

@@ -81,6 +81,7 @@ def _rank_main(rank: int, world: int, port: int, failures) -> None:
             graph.replay()
             for x, want in zip(xs, wants):
                 assert torch.equal(x.cpu(), want), replay
+        _check_all_reduce_rms_norm(tp, rank, world, device)
         # Rank 1 never joins this sum: rank 0's kernel waits until its abort word is set.
         dist.barrier()
         if rank == 0:
@@ -111,6 +112,71 @@ def _rank_main(rank: int, world: int, port: int, failures) -> None:
     except BaseException as e:
         failures.put(f"rank {rank}: {type(e).__name__}: {e}")
         raise
+
+
+# (rows, hidden): one row to a 16 MiB bf16 slot's worth, hidden sizes with and without
+# a power of two or a multiple of 16.
+NORM_SHAPES = ((1, 5120), (3, 896), (256, 5120), (129, 100), (1638, 5120), (7, 8192))
+
+
+def _check_all_reduce_rms_norm(tp, rank, world, device) -> None:
+    """The fused sum + residual + RMSNorm equals the all-reduce followed by the rms_norm
+    kernel bit for bit, and the reference (the sum + residual exactly), eagerly and from a
+    CUDA graph; x is left as it was."""
+    from nanopaged.kernels.all_reduce import all_reduce_ref, all_reduce_rms_norm_ref
+    from nanopaged.kernels.rms_norm import rms_norm
+
+    seed = 500
+    for dtype in DTYPES:
+        for rows, hidden in NORM_SHAPES:
+            if rows * hidden * dtype.itemsize > PEER_ALL_REDUCE_BYTES:
+                continue
+            seed += 1
+            parts = [_inputs(r, rows * hidden, dtype, seed).view(rows, hidden)
+                     for r in range(world)]  # fmt: skip
+            residual = _inputs(world, rows * hidden, dtype, seed).view(rows, hidden)
+            weight = _inputs(world + 1, hidden, dtype, seed)
+            args = (residual.to(device), weight.to(device), 1e-6)
+            x = parts[rank].to(device)
+            assert tp.peer.fits_rows(x, args[0])
+            for push in (False, True):
+                out, new_residual = tp.peer.all_reduce_rms_norm(x, *args, push=push)
+                assert torch.equal(x.cpu(), parts[rank])  # the part is not summed in place
+                summed = x.clone()
+                tp.peer.all_reduce(summed)
+                want_out, want_residual = rms_norm(summed, args[1], args[2], args[0])
+                assert torch.equal(new_residual, want_residual), (dtype, rows, hidden, push)
+                assert torch.equal(out, want_out), (dtype, rows, hidden, push)
+            ref_out, ref_residual = all_reduce_rms_norm_ref(parts, residual, weight, 1e-6)
+            assert torch.equal(new_residual.cpu(), ref_residual), (dtype, rows, hidden)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(out.cpu(), ref_out, atol=tol, rtol=tol)
+    # Captured between two plain sums and replayed with fresh inputs, as a decode step runs.
+    x = torch.empty(8, 5120, dtype=torch.bfloat16, device=device)
+    y, z = torch.empty_like(x), torch.empty_like(x)
+    residual, weight = torch.empty_like(x), torch.empty(5120, dtype=x.dtype, device=device)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        tp.all_reduce(y)
+        out, new_residual = tp.all_reduce_rms_norm(x, residual, weight, 1e-6, rms_norm)
+        tp.all_reduce(z)
+    torch.cuda.current_stream().wait_stream(stream)
+    for replay in range(3):
+        s = 900 + 4 * replay
+        parts = [[_inputs(r, x.numel(), x.dtype, s + i).view(x.shape) for r in range(world)]
+                 for i in range(3)]  # fmt: skip
+        for t, p in zip((x, y, z), parts):
+            t.copy_(p[rank])
+        residual.copy_(_inputs(world, x.numel(), x.dtype, s + 3).view(x.shape))
+        weight.copy_(_inputs(world + 1, 5120, x.dtype, s + 3))
+        graph.replay()
+        ref_out, ref_residual = all_reduce_rms_norm_ref(parts[0], residual.cpu(), weight.cpu(),
+                                                        1e-6)  # fmt: skip
+        assert torch.equal(new_residual.cpu(), ref_residual), replay
+        torch.testing.assert_close(out.cpu(), ref_out, atol=2e-2, rtol=2e-2)
+        assert torch.equal(y.cpu(), all_reduce_ref(parts[1])), replay
+        assert torch.equal(z.cpu(), all_reduce_ref(parts[2])), replay
 
 
 @pytest.mark.gpu
