@@ -97,7 +97,9 @@ class TPWorkers:
         except BaseException:
             self.shutdown(abort=True)
             raise
-        self.tp = TensorParallel(0, size, dist.group.WORLD, self._collective_failed)
+        self._guard = _CollectiveGuard(self)
+        self.tp = TensorParallel(0, size, dist.group.WORLD, self._collective_failed,
+                                 guard=self._guard)  # fmt: skip
         self._monitor = threading.Thread(target=self._watch, name="nanopaged-tp-monitor",
                                          daemon=True)  # fmt: skip
         self._monitor.start()
@@ -159,8 +161,15 @@ class TPWorkers:
                     self._fail(rank, payload)
 
     def _fail(self, rank: int, detail: str) -> None:
-        if self.error is None:
-            self.error = WorkerError(f"tensor-parallel worker {rank} failed:\n{detail}")
+        # Recorded while no call of rank 0 is inside the group (TensorParallel.guard); a call
+        # stuck there past GUARD_WAIT_S is left to the abort below.
+        entered = self._guard.lock.acquire(timeout=GUARD_WAIT_S)
+        try:
+            if self.error is None:
+                self.error = WorkerError(f"tensor-parallel worker {rank} failed:\n{detail}")
+        finally:
+            if entered:
+                self._guard.lock.release()
         # Peer all-reduces and NCCL would wait for the dead rank forever: abort both so rank
         # 0's kernels return, and only then wake the driver thread, which must not abort the
         # same group concurrently.
@@ -170,6 +179,8 @@ class TPWorkers:
 
     def _collective_failed(self, error: BaseException) -> None:
         """Rank 0's collective failed: raise the worker's error if one failed (or does soon)."""
+        if error is self.error:  # the guard refused the call
+            raise error
         self._failed.wait(timeout=10.0)
         if self.error is not None:
             raise self.error from error
@@ -249,6 +260,30 @@ class TPWorkers:
     @property
     def alive(self) -> bool:
         return not self._closed and self.error is None
+
+
+# How long a worker's failure waits for a call of rank 0 into the group to return before
+# aborting the group anyway (an enqueue takes microseconds; one blocked on the dead peer would
+# otherwise keep the failure from ever being recorded).
+GUARD_WAIT_S = 2.0
+
+
+class _CollectiveGuard:
+    """TensorParallel.guard on rank 0: entering raises the failed worker's error, if any, and
+    otherwise holds the lock that TPWorkers._fail takes before recording a failure."""
+
+    def __init__(self, workers: TPWorkers) -> None:
+        self.workers = workers
+        self.lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+        if self.workers.error is not None:
+            self.lock.release()
+            raise self.workers.error
+
+    def __exit__(self, *exc) -> None:
+        self.lock.release()
 
 
 # Aborting a NCCL group can itself block (while a CUDA graph holds its kernels, say), and two
