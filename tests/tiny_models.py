@@ -45,8 +45,8 @@ def make_tiny_model(path: Path, family: str, seed: int = 0, **overrides) -> Path
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config_cls(**common))
     model.to(torch.float32).eval()
-    if family == "qwen2_moe":
-        # HF starts biases at zero; random ones make the parity tests check they are applied.
+    # HF starts biases at zero; random ones make the parity tests check they are applied.
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 torch.nn.init.normal_(param, std=common["initializer_range"])

@@ -22,7 +22,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # family -> overrides: qwen2 has one KV head (copied onto both ranks) and a tied head; qwen3 an
 # odd vocabulary (the vocabulary-parallel embedding and head pad it).
 MODELS = {
-    "llama": {},
+    "llama": dict(mlp_bias=True),  # a row-parallel bias: added once, by rank 0's part
     "qwen2": dict(num_key_value_heads=1, tie_word_embeddings=True),
     "qwen3": dict(vocab_size=511),
 }
