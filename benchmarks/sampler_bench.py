@@ -47,6 +47,33 @@ def time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
     return statistics.median(times)
 
 
+def graph_ms(fn, calls: int = 10, replays: int = 10) -> float | None:
+    """Device time of one fn call from a CUDA graph of `calls` calls (median of replays), which
+    leaves out the host's launch work as the engine's asynchronous steps do; None when fn
+    cannot be captured."""
+    fn()  # compiles and warms up outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(stream), torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return None
+    torch.cuda.current_stream().wait_stream(stream)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
 def make_logits(batch: int, device: torch.device) -> torch.Tensor:
     # A peaked head over a long flat tail, roughly what an LM head gives.
     gen = torch.Generator(device=device).manual_seed(0)
@@ -116,11 +143,36 @@ def run_sampler_bench(device: str | torch.device = "cuda", **launch) -> list[dic
         for name, setting in SETTINGS.items():
             fused_ms = time_ms(fused_path(logits, setting, seed_list, **launch))
             torch_ms = time_ms(torch_path(logits, setting, seed_list))
+            fused_dev = graph_ms(fused_path(logits, setting, seed_list, **launch))
             rows.append(dict(batch=batch, setting=name, fused_ms=round(fused_ms, 4),
-                             torch_ms=round(torch_ms, 4), speedup=round(torch_ms / fused_ms, 2)))
+                             torch_ms=round(torch_ms, 4), speedup=round(torch_ms / fused_ms, 2),
+                             fused_device_ms=round(fused_dev, 4)))  # fmt: skip
             print(f"{batch:>5}  {name:<14} {fused_ms:9.3f} {torch_ms:9.3f} "
-                  f"{torch_ms / fused_ms:8.1f}x", flush=True)
+                  f"{torch_ms / fused_ms:8.1f}x {fused_dev:11.3f}", flush=True)
     return rows
+
+
+# (block, num_warps, programs_per_sm) that --tune tries
+TUNE = [(b, w, p) for b in (1024, 2048, 4096) for w in (4, 8, 16) for p in (1, 2, 4)
+        if b // (32 * w) >= 2]  # fmt: skip
+
+
+def tune_sampler(device: str | torch.device = "cuda") -> None:
+    """Each setting's fused time under every TUNE tiling, the fastest first."""
+    device = torch.device(device)
+    for batch in BATCHES:
+        logits = make_logits(batch, device)
+        seed_list = list(range(1000, 1000 + batch))
+        for name, setting in SETTINGS.items():
+            times = []
+            for block, warps, pps in TUNE:
+                run = fused_path(logits, setting, seed_list, block=block, num_warps=warps,
+                                 programs_per_sm=pps)  # fmt: skip
+                times.append((graph_ms(run), f"block {block} warps {warps} per SM {pps}"))
+            times.sort()
+            default = graph_ms(fused_path(logits, setting, seed_list))
+            best = "; ".join(f"{ms:.3f} ms {cfg}" for ms, cfg in times[:4])
+            print(f"{batch:>5}  {name:<14} default {default:.3f} ms; {best}", flush=True)
 
 
 def main() -> None:
@@ -128,11 +180,16 @@ def main() -> None:
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--block", type=int, help="sample_fused BLOCK (default: its own)")
     parser.add_argument("--num-warps", type=int, help="sample_fused num_warps")
+    parser.add_argument("--tune", action="store_true", help="sweep the kernel's tilings")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("sampler_bench needs a CUDA device")
     print(f"{torch.cuda.get_device_name()}, vocab {VOCAB}, bf16 logits")
-    print(f"{'batch':>5}  {'setting':<14} {'fused ms':>9} {'torch ms':>9} {'speedup':>9}")
+    if args.tune:
+        tune_sampler("cuda")
+        return
+    print(f"{'batch':>5}  {'setting':<14} {'fused ms':>9} {'torch ms':>9} {'speedup':>9} "
+          f"{'fused, graph':>12}")  # fmt: skip
     launch = {k: v for k, v in (("block", args.block), ("num_warps", args.num_warps)) if v}
     rows = run_sampler_bench("cuda", **launch)
     if args.json:

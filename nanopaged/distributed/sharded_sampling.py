@@ -70,7 +70,8 @@ def sample_shards(
     ones = torch.ones(rows, dtype=torch.float32, device=device)
     if local_logits.shape[1]:
         out = backend_for(device).sample(
-            local_logits, temperatures, zeros, ones, ones - 1, s[1], s[2], 0, vocab_start
+            local_logits, temperatures, zeros, ones, ones - 1, s[1], s[2], 0, vocab_start,
+            logprobs=False,
         )
         scores, token_ids = out.scores, out.token_ids + vocab_start
     else:  # a rank whose slice is all padding (a vocabulary smaller than the rank count)

@@ -3,7 +3,9 @@
 A row's noise is a pure function of its (seed, offset) and the token index, so a seeded draw
 does not depend on the batch around it, and the torch twin reproduces the kernel's numbers bit
 for bit (tl.rand's Philox has no torch twin). The mixing is murmur3's 32-bit finalizer, applied
-to the key words in a chain and then to each index twice.
+to the key words in a chain and then once to each index, spread by a multiply and keyed by
+the row's two words (one round per token: the sampler's last pass computes it for every
+token of a row).
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ def uniform_ref(
     # int64 tensors hold the uint32 words: torch's uint32 lacks the shifts and products.
     key_a, key_b = _row_keys(seeds.cpu(), offsets.cpu())
     idx = torch.arange(start, start + vocab, dtype=torch.int64)
-    h = _fmix32(_mul32(idx, 0x9E3779B1)[None, :] ^ key_a[:, None])
-    h = _fmix32((h + key_b[:, None]) & _MASK32)
+    h = _fmix32(((_mul32(idx, 0x9E3779B1)[None, :] ^ key_a[:, None]) + key_b[:, None])
+                & _MASK32)
     # 23 bits plus a half: exact in fp32 and never 0 or 1, so log(u) and log(-log(u)) are finite.
     return (((h >> 9).float() + 0.5) * 2.0**-23).to(seeds.device)
 
@@ -81,6 +83,5 @@ if triton is not None:
     @triton.jit
     def uniform(idx, key_a, key_b):
         """fp32 u in (0, 1) for int32 token indices idx, as uniform_ref computes it."""
-        h = _mix((idx.to(tl.uint32) * 0x9E3779B1) ^ key_a)
-        h = _mix(h + key_b)
+        h = _mix(((idx.to(tl.uint32) * 0x9E3779B1) ^ key_a) + key_b)
         return ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07

@@ -1,6 +1,7 @@
 """Fused sort-free sampling: temperature, top-k, top-p, min-p, seeded noise, raw logprobs.
 
-Semantics, per row of logits [batch, vocab], all in fp32 on x = logits / temperature:
+Semantics, per row of logits [batch, vocab], all in fp32 on x = logits * (1 / temperature)
+(the reciprocal and the product each rounded to fp32; within an ulp of logits / temperature):
   greedy (temperature == 0): the first argmax of the raw logits.
   top-k (1 <= k < vocab): keep x >= the k-th largest x (tied tokens share the fate).
   top-p (< 1): over the top-k set, with e = exp(x - max x) and Z = sum of e over that set,
@@ -48,7 +49,7 @@ class FusedSample:
     """Tokens of one sampling step and, when asked for, their raw logprobs."""
 
     token_ids: torch.Tensor  # [batch] int64
-    logprobs: torch.Tensor  # [batch] fp32, the sampled token's raw logprob
+    logprobs: torch.Tensor | None  # [batch] fp32, the sampled token's raw logprob
     top_logprobs: torch.Tensor | None  # [batch, num_logprobs] fp32, descending
     top_token_ids: torch.Tensor | None  # [batch, num_logprobs] int64
     # [batch] fp32, what the token won with: x + noise of a sampled row, the raw maximum of
@@ -74,7 +75,7 @@ def allowed_mask_ref(
     top_ks = top_ks.masked_fill(greedy, 0)
     top_ps = top_ps.masked_fill(greedy, 1.0)
     min_ps = min_ps.masked_fill(greedy, 0.0)
-    x = logits.float() / temps.float()[:, None]
+    x = logits.float() * (1.0 / temps.float())[:, None]
     allowed = x > float("-inf")
     m = x.max(dim=1, keepdim=True).values
     ks = top_ks.long()
@@ -110,13 +111,15 @@ def sample_ref(
     offsets: torch.Tensor,
     num_logprobs: int = 0,
     vocab_start: int = 0,
+    *,
+    logprobs: bool = True,
 ) -> FusedSample:
     """Torch reference of sample_fused (same arguments, same tokens and scores)."""
     raw = logits.float()
     greedy = raw.argmax(dim=1)
     scores = raw.gather(1, greedy[:, None])[:, 0]
     temps = torch.where(temperatures == 0, torch.ones_like(temperatures), temperatures)
-    x = raw / temps.float()[:, None]
+    x = raw * (1.0 / temps.float())[:, None]
     tokens = greedy
     rows = (temperatures != 0).nonzero().flatten()
     if len(rows):  # noise only for the rows that sample (the CPU path runs this every step)
@@ -127,11 +130,13 @@ def sample_ref(
         sampled = noisy.argmax(dim=1)
         tokens = greedy.index_copy(0, rows, sampled)
         scores = scores.index_copy(0, rows, noisy.gather(1, sampled[:, None])[:, 0])
-    logprobs = raw.log_softmax(dim=1)
+    if not (logprobs or num_logprobs):
+        return FusedSample(tokens, None, None, None, scores)
+    raw_logprobs = raw.log_softmax(dim=1)
     top_lp = top_ids = None
     if num_logprobs > 0:
-        top_lp, top_ids = logprobs.topk(num_logprobs, dim=1)
-    picked = logprobs.gather(1, tokens[:, None])[:, 0]
+        top_lp, top_ids = raw_logprobs.topk(num_logprobs, dim=1)
+    picked = raw_logprobs.gather(1, tokens[:, None])[:, 0]
     return FusedSample(tokens, picked, top_lp, top_ids, scores)
 
 
@@ -139,11 +144,16 @@ def sample_ref(
 
 if triton is not None:
 
+    # Every pass over a row loads the next block before it works on this one (the loads are
+    # only waited for at their first use), so two blocks are in flight instead of one: one
+    # block at a time left each pass waiting on memory latency (seeded sampling, two passes,
+    # read the row at about a quarter of the H200's bandwidth).
+
     @triton.jit
-    def _load_raw(row_ptr, start, vocab, BLOCK: tl.constexpr):
+    def _load_block(row_ptr, start, vocab, BLOCK: tl.constexpr):
+        # The logits' own dtype (converting would wait for the load); -inf past the vocabulary.
         idx = start + tl.arange(0, BLOCK)
-        raw = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-        return idx, raw
+        return tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf"))
 
     @triton.jit
     def _kth_largest(row_ptr, vocab, k, lo, hi, BLOCK: tl.constexpr):
@@ -156,8 +166,10 @@ if triton is not None:
             counts = tl.zeros([BLOCK], tl.int32)
             aboves = tl.full([BLOCK], float("inf"), tl.float32)  # smallest x >= t
             belows = tl.full([BLOCK], float("-inf"), tl.float32)  # largest x < t
+            ahead = _load_block(row_ptr, 0, vocab, BLOCK)
             for start in range(0, vocab, BLOCK):
-                _, x = _load_raw(row_ptr, start, vocab, BLOCK)
+                x = ahead.to(tl.float32)
+                ahead = _load_block(row_ptr, start + BLOCK, vocab, BLOCK)
                 ge = x >= t
                 counts += ge.to(tl.int32)
                 aboves = tl.minimum(aboves, tl.where(ge, x, float("inf")))
@@ -194,8 +206,10 @@ if triton is not None:
             above_masses = tl.zeros([BLOCK], tl.float32)  # mass of the tokens at that x
             belows = tl.full([BLOCK], float("-inf"), tl.float32)  # largest kept x < t
             below_masses = tl.zeros([BLOCK], tl.float32)
+            ahead = _load_block(row_ptr, 0, vocab, BLOCK)
             for start in range(0, vocab, BLOCK):
-                _, x = _load_raw(row_ptr, start, vocab, BLOCK)
+                x = ahead.to(tl.float32)
+                ahead = _load_block(row_ptr, start + BLOCK, vocab, BLOCK)
                 ge = x >= t
                 kept = x >= keep_from
                 e = tl.where(kept, tl.exp2((x - raw_max) * scale), 0.0)
@@ -228,7 +242,8 @@ if triton is not None:
         row, logits_ptr, temps_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr, offsets_ptr,
         tokens_ptr, logprobs_ptr, top_vals_ptr, top_ids_ptr, lse_ptr, allowed_ptr, scores_ptr,
         vocab, stride_row, vocab_start,
-        NUM_LOGPROBS: tl.constexpr, WRITE_ALLOWED: tl.constexpr, BLOCK: tl.constexpr,
+        NUM_LOGPROBS: tl.constexpr, LOGPROBS: tl.constexpr, WRITE_ALLOWED: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         # The interpreter's range yields python ints, the compiler's int32 tensors.
         row64 = tl.cast(row, tl.int64)
@@ -243,8 +258,11 @@ if triton is not None:
         args = tl.zeros([BLOCK], tl.int32)
         mins = tl.full([BLOCK], float("inf"), tl.float32)
         finites = tl.zeros([BLOCK], tl.int32)
+        ahead = _load_block(row_ptr, 0, vocab, BLOCK)
         for start in range(0, vocab, BLOCK):
-            idx, raw = _load_raw(row_ptr, start, vocab, BLOCK)
+            raw = ahead.to(tl.float32)
+            ahead = _load_block(row_ptr, start + BLOCK, vocab, BLOCK)
+            idx = start + tl.arange(0, BLOCK)
             finite = raw > float("-inf")
             args = tl.where(raw > maxes, idx, args)
             maxes = tl.maximum(maxes, raw)
@@ -254,10 +272,11 @@ if triton is not None:
         argmax = tl.min(tl.where(maxes == raw_max, args, vocab))
         raw_min = tl.min(mins)
         num_finite = tl.sum(finites)
-        # Rounded division by a positive number is monotone, so a cut on x is the rounded
-        # quotient of a cut on the raw values: the searches run on raw values and skip the
-        # (multi-instruction) rounded division. Torch divides with rounding; so does div_rn.
-        x_max = tl.math.div_rn(raw_max, temp)
+        # x = raw * inv_temp, both roundings as torch's (1 / temperature, then the product).
+        # A rounded product with a positive number is monotone, so a cut on x is the product
+        # of a cut on the raw values: the searches run on raw values.
+        inv_temp = tl.math.div_rn(tl.full((), 1.0, tl.float32), temp)
+        x_max = raw_max * inv_temp
         scale = 1.4426950408889634 / temp  # exp(x - x_max) as one exp2 of raw values
 
         k_cut = tl.full((), float("-inf"), tl.float32)
@@ -268,18 +287,20 @@ if triton is not None:
             top_k = tl.load(top_ks_ptr + row)
             if (top_k > 0) & (top_k < num_finite):
                 k_raw = _kth_largest(row_ptr, vocab, top_k, raw_min, raw_max, BLOCK)
-                k_cut = tl.math.div_rn(k_raw, temp)
+                k_cut = k_raw * inv_temp
             top_p = tl.load(top_ps_ptr + row)
             if top_p < 1.0:
                 totals = tl.zeros([BLOCK], tl.float32)
+                ahead = _load_block(row_ptr, 0, vocab, BLOCK)
                 for start in range(0, vocab, BLOCK):
-                    _, raw = _load_raw(row_ptr, start, vocab, BLOCK)
+                    raw = ahead.to(tl.float32)
+                    ahead = _load_block(row_ptr, start + BLOCK, vocab, BLOCK)
                     totals += tl.where(raw >= k_raw, tl.exp2((raw - raw_max) * scale), 0.0)
                 total = tl.sum(totals)
                 lo = tl.maximum(k_raw, raw_min)
                 p_raw = _top_p_cut(row_ptr, vocab, raw_max, scale, k_raw, top_p * total, lo,
                                    raw_max, BLOCK)
-                p_cut = tl.math.div_rn(p_raw, temp)
+                p_cut = p_raw * inv_temp
             min_p = tl.load(min_ps_ptr + row)
             if min_p > 0.0:
                 log_min_p = tl.log(min_p)
@@ -292,44 +313,58 @@ if triton is not None:
         seed = tl.load(seeds_ptr + row)
         offset = tl.load(offsets_ptr + row)
         key_a, key_b = row_keys(seed, offset)
+        filtered = (k_cut > float("-inf")) | (p_cut > float("-inf"))
+        filtered |= log_min_p > float("-inf")
         bests = tl.full([BLOCK], float("-inf"), tl.float32)
         tokens = tl.zeros([BLOCK], tl.int32)
         sum_exps = tl.zeros([BLOCK], tl.float32)
         num_top = tl.full((), 0, tl.int32)
+        ahead = _load_block(row_ptr, 0, vocab, BLOCK)
         for start in range(0, vocab, BLOCK):
-            idx, raw = _load_raw(row_ptr, start, vocab, BLOCK)
-            sum_exps += tl.exp(raw - raw_max)
-            x = tl.math.div_rn(raw, temp)
+            raw = ahead.to(tl.float32)
+            ahead = _load_block(row_ptr, start + BLOCK, vocab, BLOCK)
+            idx = start + tl.arange(0, BLOCK)
+            if LOGPROBS:
+                sum_exps += tl.exp(raw - raw_max)
+            x = raw * inv_temp
             allowed = (x > float("-inf")) & (x >= k_cut) & (x >= p_cut)
             allowed &= (x - x_max) >= log_min_p
             if WRITE_ALLOWED:
                 tl.store(allowed_ptr + row64 * vocab + idx, allowed.to(tl.int8),
                          mask=idx < vocab)
             if is_sampled:
-                u = uniform(idx + vocab_start, key_a, key_b)  # keyed by the token's id
-                score = tl.where(allowed, x - tl.log(-tl.log(u)), float("-inf"))
-                tokens = tl.where(score > bests, idx, tokens)
-                bests = tl.maximum(bests, score)
+                # A filter leaves most blocks of a row without an allowed token: no noise there.
+                noisy = True
+                if filtered:
+                    noisy = tl.max(allowed.to(tl.int32)) > 0
+                if noisy:
+                    u = uniform(idx + vocab_start, key_a, key_b)  # keyed by the token's id
+                    score = tl.where(allowed, x - tl.log(-tl.log(u)), float("-inf"))
+                    tokens = tl.where(score > bests, idx, tokens)
+                    bests = tl.maximum(bests, score)
             if NUM_LOGPROBS > 0:
                 chosen = (raw >= n_cut) & (raw > float("-inf"))
-                pos = num_top + tl.cumsum(chosen.to(tl.int32), 0) - 1
-                keep = chosen & (pos < NUM_LOGPROBS)
-                out = row64 * NUM_LOGPROBS + pos
-                tl.store(top_vals_ptr + out, raw, mask=keep)
-                tl.store(top_ids_ptr + out, idx.to(tl.int64), mask=keep)
-                num_top += tl.sum(chosen.to(tl.int32))
+                num_chosen = tl.sum(chosen.to(tl.int32))
+                if num_chosen > 0:  # a few blocks of the row: skip the scan in the rest
+                    pos = num_top + tl.cumsum(chosen.to(tl.int32), 0) - 1
+                    keep = chosen & (pos < NUM_LOGPROBS)
+                    out = row64 * NUM_LOGPROBS + pos
+                    tl.store(top_vals_ptr + out, raw, mask=keep)
+                    tl.store(top_ids_ptr + out, idx.to(tl.int64), mask=keep)
+                    num_top += num_chosen
         token = argmax
         score = raw_max
         if is_sampled:
             best = tl.max(bests)
             token = tl.min(tl.where(bests == best, tokens, vocab))
             score = best
-        lse = raw_max + tl.log(tl.sum(sum_exps))
         tl.store(tokens_ptr + row, token.to(tl.int64))
         tl.store(scores_ptr + row, score)
-        tl.store(lse_ptr + row, lse)
-        raw_token = tl.load(row_ptr + token).to(tl.float32)
-        tl.store(logprobs_ptr + row, raw_token - lse)
+        if LOGPROBS:
+            lse = raw_max + tl.log(tl.sum(sum_exps))
+            tl.store(lse_ptr + row, lse)
+            raw_token = tl.load(row_ptr + token).to(tl.float32)
+            tl.store(logprobs_ptr + row, raw_token - lse)
 
     # The batch size and the per-row settings (slices of per-slot tensors) change from step
     # to step: not specialized, so a new batch size never compiles a new variant.
@@ -339,7 +374,8 @@ if triton is not None:
         logits_ptr, temps_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr, offsets_ptr,
         tokens_ptr, logprobs_ptr, top_vals_ptr, top_ids_ptr, lse_ptr, allowed_ptr, scores_ptr,
         batch, vocab, stride_row, vocab_start,
-        NUM_LOGPROBS: tl.constexpr, WRITE_ALLOWED: tl.constexpr, BLOCK: tl.constexpr,
+        NUM_LOGPROBS: tl.constexpr, LOGPROBS: tl.constexpr, WRITE_ALLOWED: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         # A program passes over its row many times. With one program per SM walking the rows,
         # the rows in flight (132 x 300 KB of bf16 at a 152k vocabulary) stay in L2, so only
@@ -349,7 +385,7 @@ if triton is not None:
                 row, logits_ptr, temps_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr,
                 offsets_ptr, tokens_ptr, logprobs_ptr, top_vals_ptr, top_ids_ptr, lse_ptr,
                 allowed_ptr, scores_ptr, vocab, stride_row, vocab_start, NUM_LOGPROBS,
-                WRITE_ALLOWED, BLOCK,
+                LOGPROBS, WRITE_ALLOWED, BLOCK,
             )
 
 
@@ -366,6 +402,8 @@ def _launch(
     block: int | None,
     num_warps: int | None,
     vocab_start: int = 0,
+    programs_per_sm: int = 1,
+    logprobs: bool = True,
 ) -> FusedSample:
     assert triton is not None, "sample_fused needs triton; use sample_ref"
     assert logits.dim() == 2 and logits.stride(1) == 1, (logits.shape, logits.stride())
@@ -379,7 +417,7 @@ def _launch(
         assert t.is_contiguous()
     assert 0 <= num_logprobs <= vocab, num_logprobs
     tokens = torch.empty(batch, dtype=torch.int64, device=dev)
-    logprobs = torch.empty(batch, dtype=torch.float32, device=dev)
+    token_logprobs = torch.empty(batch, dtype=torch.float32, device=dev)
     lse = torch.empty(batch, dtype=torch.float32, device=dev)
     scores = torch.empty(batch, dtype=torch.float32, device=dev)
     n = max(num_logprobs, 1)
@@ -390,20 +428,22 @@ def _launch(
     if num_warps is None:
         num_warps = 16 if block >= 4096 else 4
     if batch > 0:
-        grid = (min(batch, num_sms(dev)),)
+        grid = (min(batch, programs_per_sm * num_sms(dev)),)
         _sample_kernel[grid](
             logits, temperatures, top_ks, top_ps, min_ps, seeds, offsets,
-            tokens, logprobs, top_vals, top_ids, lse, allowed if allowed is not None else tokens,
+            tokens, token_logprobs, top_vals, top_ids, lse,
+            allowed if allowed is not None else tokens,
             scores, batch, vocab, logits.stride(0), vocab_start,
-            NUM_LOGPROBS=num_logprobs, WRITE_ALLOWED=allowed is not None, BLOCK=block,
+            NUM_LOGPROBS=num_logprobs, LOGPROBS=logprobs or num_logprobs > 0,
+            WRITE_ALLOWED=allowed is not None, BLOCK=block,
             num_warps=num_warps,
         )
     if num_logprobs == 0:
-        return FusedSample(tokens, logprobs, None, None, scores)
+        return FusedSample(tokens, token_logprobs if logprobs else None, None, None, scores)
     # The kernel gathers the top-n in vocabulary order; ordering n values is a tiny sort.
     top_vals, order = top_vals.sort(dim=1, descending=True)
     top_ids = top_ids.gather(1, order)
-    return FusedSample(tokens, logprobs, top_vals - lse[:, None], top_ids, scores)
+    return FusedSample(tokens, token_logprobs, top_vals - lse[:, None], top_ids, scores)
 
 
 def sample_fused(
@@ -419,6 +459,8 @@ def sample_fused(
     *,
     block: int | None = None,
     num_warps: int | None = None,
+    programs_per_sm: int = 1,
+    logprobs: bool = True,
 ) -> FusedSample:
     """Sample one token per row of logits [batch, vocab] (fp32/bf16/fp16, rows may be strided).
 
@@ -427,7 +469,9 @@ def sample_fused(
     The noise of a row is keyed by (seed, offset): the caller folds the sample index and the
     output position into offset (e.g. position * n + sample_index), so a row's draw is
     reproducible and independent of the batch. num_logprobs > 0 also returns the top
-    num_logprobs raw logprobs. The module docstring states the exact semantics.
+    num_logprobs raw logprobs; logprobs=False leaves out the sampled tokens' own (then
+    FusedSample.logprobs is None) unless num_logprobs > 0, and the pass that sums the row's
+    softmax with it. The module docstring states the exact semantics.
 
     vocab_start: the columns are token ids vocab_start.. of a larger vocabulary (a
     tensor-parallel rank's shard): the noise is that of those ids. Token ids returned are
@@ -435,7 +479,7 @@ def sample_fused(
     on ties) holds the full row's token (see FusedSample.scores).
     """
     return _launch(logits, temperatures, top_ks, top_ps, min_ps, seeds, offsets, num_logprobs,
-                   None, block, num_warps, vocab_start)
+                   None, block, num_warps, vocab_start, programs_per_sm, logprobs)
 
 
 def allowed_mask_fused(

@@ -63,7 +63,8 @@ class Backend:
     silu_and_mul: Callable
     # (x, w13, w2, topk_weights, topk_ids) -> [tokens, hidden]
     fused_moe: Callable
-    # (logits, temperatures, top_ks, top_ps, min_ps, seeds, offsets, num_logprobs)
+    # (logits, temperatures, top_ks, top_ps, min_ps, seeds, offsets, num_logprobs,
+    #  vocab_start, *, logprobs) -> FusedSample
     sample: Callable
 
 

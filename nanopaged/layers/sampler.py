@@ -59,9 +59,9 @@ def sample(
     num_logprobs of each row when asked for."""
     if st.all_greedy and num_logprobs == 0 and not need_logprobs:
         tokens = greedy_tokens(logits)
-        return FusedSample(tokens, torch.zeros_like(tokens, dtype=torch.float32), None, None)
+        return FusedSample(tokens, None, None, None)
     args = (logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, st.seeds, st.offsets)
-    return backend_for(logits.device).sample(*args, num_logprobs)
+    return backend_for(logits.device).sample(*args, num_logprobs, logprobs=need_logprobs)
 
 
 def apply_penalties(

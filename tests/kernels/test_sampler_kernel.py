@@ -121,6 +121,11 @@ def test_tokens_and_logprobs_equal_ref(dtype):
     top, top_ids = raw.topk(5, dim=1)
     torch.testing.assert_close(out.top_logprobs, top)
     assert torch.equal(out.top_token_ids, top_ids)
+    # Without logprobs: the same tokens, and no logprob made up for them.
+    for fn in (sample_fused, sample_ref):
+        kw = dict(block=64) if fn is sample_fused else {}
+        bare = fn(logits, *filters, seeds, offsets, logprobs=False, **kw)
+        assert torch.equal(bare.token_ids, ref.token_ids) and bare.logprobs is None
 
 
 # Temperature alone (greedy included): the settings whose rows can be sampled by shards.
