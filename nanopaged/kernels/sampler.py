@@ -318,7 +318,8 @@ if triton is not None:
         bests = tl.full([BLOCK], float("-inf"), tl.float32)
         tokens = tl.zeros([BLOCK], tl.int32)
         sum_exps = tl.zeros([BLOCK], tl.float32)
-        num_top = tl.full((), 0, tl.int32)
+        top_above = tl.full((), 0, tl.int32)
+        top_tied = tl.full((), 0, tl.int32)
         ahead = _load_block(row_ptr, 0, vocab, BLOCK)
         for start in range(0, vocab, BLOCK):
             raw = ahead.to(tl.float32)
@@ -343,15 +344,23 @@ if triton is not None:
                     tokens = tl.where(score > bests, idx, tokens)
                     bests = tl.maximum(bests, score)
             if NUM_LOGPROBS > 0:
-                chosen = (raw >= n_cut) & (raw > float("-inf"))
-                num_chosen = tl.sum(chosen.to(tl.int32))
-                if num_chosen > 0:  # a few blocks of the row: skip the scan in the rest
-                    pos = num_top + tl.cumsum(chosen.to(tl.int32), 0) - 1
-                    keep = chosen & (pos < NUM_LOGPROBS)
-                    out = row64 * NUM_LOGPROBS + pos
+                # Values above the n-th largest (fewer than n) fill slots 0.., the first n
+                # tokens equal to it slots n..: ties at the cut never crowd out a larger value.
+                above = raw > n_cut
+                tied = (raw == n_cut) & (raw > float("-inf"))
+                num_above = tl.sum(above.to(tl.int32))
+                num_tied = tl.sum(tied.to(tl.int32))
+                if num_above + num_tied > 0:  # a few blocks of the row: no scan in the rest
+                    above_pos = top_above + tl.cumsum(above.to(tl.int32), 0) - 1
+                    tied_pos = top_tied + tl.cumsum(tied.to(tl.int32), 0) - 1
+                    keep = (above & (above_pos < NUM_LOGPROBS)) | (tied & (tied_pos <
+                                                                          NUM_LOGPROBS))
+                    out = row64 * (2 * NUM_LOGPROBS) + tl.where(above, above_pos,
+                                                                NUM_LOGPROBS + tied_pos)
                     tl.store(top_vals_ptr + out, raw, mask=keep)
                     tl.store(top_ids_ptr + out, idx.to(tl.int64), mask=keep)
-                    num_top += num_chosen
+                    top_above += num_above
+                    top_tied += num_tied
         token = argmax
         score = raw_max
         if is_sampled:
@@ -420,7 +429,8 @@ def _launch(
     token_logprobs = torch.empty(batch, dtype=torch.float32, device=dev)
     lse = torch.empty(batch, dtype=torch.float32, device=dev)
     scores = torch.empty(batch, dtype=torch.float32, device=dev)
-    n = max(num_logprobs, 1)
+    # Twice the slots: the values above the cut, then those tied with it (see the kernel).
+    n = 2 * max(num_logprobs, 1)
     top_vals = torch.full((batch, n), float("-inf"), dtype=torch.float32, device=dev)
     top_ids = torch.zeros(batch, n, dtype=torch.int64, device=dev)
     if block is None:
@@ -440,9 +450,10 @@ def _launch(
         )
     if num_logprobs == 0:
         return FusedSample(tokens, token_logprobs if logprobs else None, None, None, scores)
-    # The kernel gathers the top-n in vocabulary order; ordering n values is a tiny sort.
-    top_vals, order = top_vals.sort(dim=1, descending=True)
-    top_ids = top_ids.gather(1, order)
+    # The kernel gathers the top-n in vocabulary order; ordering 2n values is a tiny sort (a
+    # stable one: of tied values, those of the lowest token ids come first).
+    top_vals, order = top_vals.sort(dim=1, descending=True, stable=True)
+    top_vals, top_ids = top_vals[:, :num_logprobs], top_ids.gather(1, order[:, :num_logprobs])
     return FusedSample(tokens, token_logprobs, top_vals - lse[:, None], top_ids, scores)
 
 

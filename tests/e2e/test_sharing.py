@@ -235,8 +235,10 @@ def test_logprobs_survive_recompute_preemption(llama):
             assert len(cg.logprobs) == len(cg.token_ids) == 24
             for de, dg in zip(ce.logprobs, cg.logprobs):
                 assert [(t, v.rank) for t, v in dg.items()] == [(t, v.rank) for t, v in de.items()]
+                # fp32 logits of a recomputed prompt differ from the decoded ones in the
+                # summation order: agreement to a few ulps, not bits.
                 assert [v.logprob for v in dg.values()] == pytest.approx(
-                    [v.logprob for v in de.values()], abs=1e-5
+                    [v.logprob for v in de.values()], rel=2e-5, abs=1e-5
                 )
             assert cg.cumulative_logprob == pytest.approx(ce.cumulative_logprob, abs=1e-4)
             chosen = [d[t].logprob for t, d in zip(cg.token_ids, cg.logprobs)]

@@ -74,6 +74,36 @@ def test_allowed_set_equals_ref(dtype, vocab, block):
     assert ref[2].sum() == 20 and ref[9].sum() == 1 and ref[10].sum() == 1
 
 
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_wide_rows_under_random_settings(dtype):
+    # Rows many blocks wide, peaked to flat (the logits' scale), with ties in bf16, under
+    # random temperatures, top-k, top-p and min-p, and five top logprobs (a value tied with
+    # the fifth largest must not crowd out a larger one).
+    gen = torch.Generator().manual_seed(5)
+    rows, vocab = 24, 3000
+    scales = torch.logspace(-1, 1, rows)
+    logits = (torch.randn(rows, vocab, generator=gen) * scales[:, None]).to(dtype).to(DEVICE)
+    logits[3, ::3] = float("-inf")
+    temps = torch.rand(rows, generator=gen) * 1.7 + 0.3
+    top_ks = torch.randint(-1, 400, (rows,), generator=gen).to(torch.int32)
+    top_ks[::3] = 0
+    top_ps = torch.rand(rows, generator=gen) * 0.95 + 0.04
+    top_ps[1::4] = 1.0
+    min_ps = torch.where(torch.rand(rows, generator=gen) < 0.3, 0.01, 0.0)
+    filters = tuple(t.to(DEVICE) for t in (temps, top_ks, top_ps, min_ps))
+    got = allowed_mask_fused(logits, *filters, block=256)
+    ref = allowed_mask_ref(logits, *filters)
+    assert torch.equal(got, ref), (got != ref).sum(dim=1)
+    sizes = ref.sum(dim=1)
+    assert sizes.min() >= 1 and sizes.max() > 1000  # peaked and flat rows both
+    seeds, offsets = keys(rows)
+    out = sample_fused(logits, *filters, seeds, offsets, num_logprobs=5, block=256)
+    want = sample_ref(logits, *filters, seeds, offsets, num_logprobs=5)
+    assert torch.equal(out.token_ids, want.token_ids)
+    # The top-5 values (bf16 rows hold ties, whose ids may come in either order).
+    torch.testing.assert_close(out.top_logprobs, want.top_logprobs)
+
+
 def test_ties_share_their_fate():
     # Logits on a 0.25 grid: many ties at every cut-off; a tied group is kept or dropped whole.
     gen = torch.Generator().manual_seed(2)
