@@ -156,12 +156,34 @@ if triton is not None:
         return tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf"))
 
     @triton.jit
-    def _kth_largest(row_ptr, vocab, k, lo, hi, BLOCK: tl.constexpr):
-        # lo <= answer <= hi, both element values: each step moves one bound to an element
-        # strictly inside (lo, hi], so the loop ends on the k-th largest value itself.
+    def _kth_step(count, above, below, k, lo, hi):
+        # One step of the k-th largest search at a threshold t: count = how many x >= t,
+        # above = the smallest of them, below = the largest x < t. count == k: above is the
+        # k-th largest. count == k - 1: the largest x below t has at least k values >= it and
+        # fewer than k above it, so it is the k-th largest.
+        if count == k:
+            lo = above
+            hi = above
+        elif count == k - 1:
+            lo = below
+            hi = below
+        elif count > k:
+            lo = above
+        else:
+            hi = below
+        return lo, hi
+
+    @triton.jit
+    def _kth_largest(row_ptr, vocab, k, lo, hi, probe, BLOCK: tl.constexpr):
+        # lo <= answer <= hi: each step moves one bound to an element inside (lo, hi], so the
+        # loop ends on the k-th largest value itself. probe (int32, nonzero): lo is a close
+        # guess (an element value with at least k values >= it); the first pass counts at lo
+        # itself, which ends the search when exactly k values are >= it.
         while lo < hi:
             t = lo * 0.5 + hi * 0.5
             t = tl.where(t <= lo, hi, t)
+            t = tl.where(probe != 0, lo, t)
+            probe = probe * 0
             # Per-lane accumulators: one cross-thread reduction per pass, not per block.
             counts = tl.zeros([BLOCK], tl.int32)
             aboves = tl.full([BLOCK], float("inf"), tl.float32)  # smallest x >= t
@@ -174,22 +196,37 @@ if triton is not None:
                 counts += ge.to(tl.int32)
                 aboves = tl.minimum(aboves, tl.where(ge, x, float("inf")))
                 belows = tl.maximum(belows, tl.where(ge, float("-inf"), x))
-            count = tl.sum(counts)
-            above = tl.min(aboves)
-            below = tl.max(belows)
-            # count == k: above is the k-th largest. count == k - 1: the largest x below t has
-            # at least k values >= it and fewer than k above it, so it is the k-th largest.
-            if count == k:
-                lo = above
-                hi = above
-            elif count == k - 1:
-                lo = below
-                hi = below
-            elif count > k:
-                lo = above
-            else:
-                hi = below
+            lo, hi = _kth_step(tl.sum(counts), tl.min(aboves), tl.max(belows), k, lo, hi)
         return lo
+
+    @triton.jit
+    def _kth_guess(firsts, seconds, k, lo, hi):
+        # The k-th largest of each lane's two largest values (in registers, no pass over the
+        # row): a lower bound on the row's k-th largest (k distinct elements are >= it), and
+        # the value itself unless a lane holds three of the row's k largest.
+        while lo < hi:
+            t = lo * 0.5 + hi * 0.5
+            t = tl.where(t <= lo, hi, t)
+            ge_a = firsts >= t
+            ge_b = seconds >= t
+            count = tl.sum(ge_a.to(tl.int32)) + tl.sum(ge_b.to(tl.int32))
+            above = tl.minimum(tl.min(tl.where(ge_a, firsts, float("inf"))),
+                               tl.min(tl.where(ge_b, seconds, float("inf"))))
+            below = tl.maximum(tl.max(tl.where(ge_a, float("-inf"), firsts)),
+                               tl.max(tl.where(ge_b, float("-inf"), seconds)))
+            lo, hi = _kth_step(count, above, below, k, lo, hi)
+        return lo
+
+    @triton.jit
+    def _kth_search(row_ptr, vocab, k, firsts, seconds, raw_min, raw_max,
+                    BLOCK: tl.constexpr):
+        # The row's k-th largest, starting from the lanes' guess when they hold k values.
+        held = tl.sum((firsts > float("-inf")).to(tl.int32))
+        held += tl.sum((seconds > float("-inf")).to(tl.int32))
+        lo = raw_min
+        if held >= k:
+            lo = _kth_guess(firsts, seconds, k, raw_min, raw_max)
+        return _kth_largest(row_ptr, vocab, k, lo, raw_max, (held >= k).to(tl.int32), BLOCK)
 
     @triton.jit
     def _top_p_cut(row_ptr, vocab, raw_max, scale, keep_from, limit, lo, hi,
@@ -255,6 +292,7 @@ if triton is not None:
         # Pass 1: raw max (first argmax), smallest finite raw value, count of finite values.
         # A lane sees its indices in increasing order, so a strict > keeps its first argmax.
         maxes = tl.full([BLOCK], float("-inf"), tl.float32)
+        seconds = tl.full([BLOCK], float("-inf"), tl.float32)  # each lane's second largest
         args = tl.zeros([BLOCK], tl.int32)
         mins = tl.full([BLOCK], float("inf"), tl.float32)
         finites = tl.zeros([BLOCK], tl.int32)
@@ -265,6 +303,7 @@ if triton is not None:
             idx = start + tl.arange(0, BLOCK)
             finite = raw > float("-inf")
             args = tl.where(raw > maxes, idx, args)
+            seconds = tl.maximum(seconds, tl.minimum(maxes, raw))
             maxes = tl.maximum(maxes, raw)
             mins = tl.minimum(mins, tl.where(finite, raw, float("inf")))
             finites += finite.to(tl.int32)
@@ -286,7 +325,8 @@ if triton is not None:
         if is_sampled:
             top_k = tl.load(top_ks_ptr + row)
             if (top_k > 0) & (top_k < num_finite):
-                k_raw = _kth_largest(row_ptr, vocab, top_k, raw_min, raw_max, BLOCK)
+                k_raw = _kth_search(row_ptr, vocab, top_k, maxes, seconds, raw_min, raw_max,
+                                    BLOCK)
                 k_cut = k_raw * inv_temp
             top_p = tl.load(top_ps_ptr + row)
             if top_p < 1.0:
@@ -307,7 +347,8 @@ if triton is not None:
         n_cut = tl.full((), float("-inf"), tl.float32)
         if NUM_LOGPROBS > 0:
             if NUM_LOGPROBS < num_finite:
-                n_cut = _kth_largest(row_ptr, vocab, NUM_LOGPROBS, raw_min, raw_max, BLOCK)
+                n_cut = _kth_search(row_ptr, vocab, NUM_LOGPROBS, maxes, seconds, raw_min,
+                                    raw_max, BLOCK)
 
         # Last pass: Gumbel-max over the allowed tokens, the raw softmax sum, top-n raw logits.
         seed = tl.load(seeds_ptr + row)

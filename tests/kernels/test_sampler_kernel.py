@@ -87,6 +87,7 @@ def test_wide_rows_under_random_settings(dtype):
     temps = torch.rand(rows, generator=gen) * 1.7 + 0.3
     top_ks = torch.randint(-1, 400, (rows,), generator=gen).to(torch.int32)
     top_ks[::3] = 0
+    top_ks[5], top_ks[8] = 1500, 700  # more than the lanes' two largest values can hold
     top_ps = torch.rand(rows, generator=gen) * 0.95 + 0.04
     top_ps[1::4] = 1.0
     min_ps = torch.where(torch.rand(rows, generator=gen) < 0.3, 0.01, 0.0)
