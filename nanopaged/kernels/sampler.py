@@ -229,14 +229,23 @@ if triton is not None:
         return _kth_largest(row_ptr, vocab, k, lo, raw_max, (held >= k).to(tl.int32), BLOCK)
 
     @triton.jit
-    def _top_p_cut(row_ptr, vocab, raw_max, scale, keep_from, limit, lo, hi,
+    def _top_p_cut(row_ptr, vocab, raw_max, scale, keep_from, limit, lo, hi, lo_mass,
                    BLOCK: tl.constexpr):
         # The smallest x (>= keep_from) whose strictly-greater mass is <= limit. If the mass of
         # x >= t exceeds limit, the largest x below t is dropped and so is all beneath it.
         # The mass of the values next to t (ties included) says whether one of them is the
-        # answer, which ends the search a few passes early.
+        # answer, which ends the search a few passes early. lo_mass: the mass of x >= lo.
+        # Every other pass t is where the mass, taken as linear in x between the bounds (whose
+        # masses each pass learns), meets the limit; the passes between halve (lo, hi], so a
+        # poor interpolation costs at most every second pass.
+        hi_mass = tl.full((), 1.0, tl.float32)  # the largest value's own mass, at least
+        halve = tl.full((), 1, tl.int32)
         while lo < hi:
-            t = lo * 0.5 + hi * 0.5
+            span = lo_mass - hi_mass
+            frac = (lo_mass - limit) / tl.where(span > 0.0, span, 1.0)
+            frac = tl.where(span > 0.0, tl.minimum(tl.maximum(frac, 0.02), 0.98), 0.5)
+            t = tl.where(halve != 0, lo * 0.5 + hi * 0.5, lo + (hi - lo) * frac)
+            halve = 1 - halve
             t = tl.where(t <= lo, hi, t)
             masses = tl.zeros([BLOCK], tl.float32)
             aboves = tl.full([BLOCK], float("inf"), tl.float32)  # smallest x >= t
@@ -264,13 +273,15 @@ if triton is not None:
             below = tl.max(belows)
             if mass > limit:
                 lo = above
+                lo_mass = mass  # no value lies in [t, above)
                 # Mass strictly above `above` within the limit: it is kept, below is not.
                 if mass - tl.sum(tl.where(aboves == above, above_masses, 0.0)) <= limit:
                     hi = above
             else:
                 hi = below
+                hi_mass = mass + tl.sum(tl.where(belows == below, below_masses, 0.0))
                 # The value under `below` has more than the limit above it: below is the last.
-                if mass + tl.sum(tl.where(belows == below, below_masses, 0.0)) > limit:
+                if hi_mass > limit:
                     lo = below
         return lo
 
@@ -339,7 +350,7 @@ if triton is not None:
                 total = tl.sum(totals)
                 lo = tl.maximum(k_raw, raw_min)
                 p_raw = _top_p_cut(row_ptr, vocab, raw_max, scale, k_raw, top_p * total, lo,
-                                   raw_max, BLOCK)
+                                   raw_max, total, BLOCK)
                 p_cut = p_raw * inv_temp
             min_p = tl.load(min_ps_ptr + row)
             if min_p > 0.0:
