@@ -170,9 +170,6 @@ def run_silu_and_mul(num_tokens, d, dtype, strided: bool, seed=0):
     out = silu_and_mul(x)
     assert out.shape == (num_tokens, d) and out.is_contiguous()
     assert_matches(out, silu_and_mul_ref(x))
-    # The torch module rounds silu(gate) before the product: at most ~1 ulp further.
-    gate, up = x.chunk(2, dim=-1)
-    assert_matches(out, torch.nn.functional.silu(gate) * up, frac=1.0)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)

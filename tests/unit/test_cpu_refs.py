@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from nanopaged.kernels.rms_norm import rms_norm_ref
 from nanopaged.kernels.rotary import rotary_ref
-from nanopaged.kernels.silu_and_mul import SLICE_ELEMENTS, silu_and_mul_ref
+from nanopaged.kernels.silu_and_mul import silu_and_mul_ref
 from nanopaged.layers.rotary import RotaryEmbedding
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -76,9 +76,10 @@ def test_rotary_ref_is_the_plain_rotation(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [1536, 64])
-def test_silu_and_mul_ref_rounds_once(dtype, d):
-    # one slice (decode), several slices, a last partial slice
-    for rows in (1, 16, 2 * SLICE_ELEMENTS // d + 3):
+def test_silu_and_mul_ref_rounds_as_hf_mlps(dtype, d):
+    # silu in fp32 rounded to the dtype, then the fp32 product rounded: HF's (and vLLM's) MLP.
+    for rows in (1, 16, 300):
         x = rand(rows, 2 * d, dtype=dtype, seed=rows)
         gate, up = x.float().chunk(2, dim=-1)
-        assert torch.equal(silu_and_mul_ref(x), (F.silu(gate) * up).to(dtype))
+        want = (F.silu(gate).to(dtype).float() * up).to(dtype)
+        assert torch.equal(silu_and_mul_ref(x), want)
