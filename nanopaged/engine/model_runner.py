@@ -186,8 +186,9 @@ class ModelRunner:
         else:
             load_weights(self.model, model_dir)
         self.model.eval()
-        # Triton kernels on CUDA, their torch references elsewhere: chosen here, once.
-        self.backend = backend_for(device)
+        # Triton kernels on CUDA; on CPU the torch references, or C kernels for bf16: chosen
+        # here, once.
+        self.backend = backend_for(device, dtype)
         bind_backend(self.model, self.backend)
         pack_model(self.model)  # CPU bf16 only: oneDNN-packed GEMM weights
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

@@ -69,23 +69,13 @@ class Attention(UsesBackend, nn.Module):
         if self.backend.triton:
             store_kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
             return gpu_attention(q, k, v, k_cache, v_cache, meta, self.scale, **scales)
-        if meta.skips_slots is None:
-            meta.skips_slots = bool((meta.slot_mapping < 0).any())
-        store_kv.store_kv_ref(
-            k, v, k_cache, v_cache, meta.slot_mapping, **scales, may_skip=meta.skips_slots
-        )
-        args = (q, k_cache, v_cache, meta.block_tables)
+        self.backend.store_kv(k, v, k_cache, v_cache, meta, **scales)
         if meta.is_decode:
-            if meta.decode_plan is None:
-                meta.decode_plan = paged_decode.decode_plan(
-                    meta.block_tables, meta.context_lens, k_cache.shape[1]
-                )
-            return paged_decode.paged_decode_ref(
-                *args, meta.context_lens, self.scale, plan=meta.decode_plan, **scales
-            )
+            return self.backend.decode_attention(q, k_cache, v_cache, meta, self.scale, **scales)
         return paged_prefill.paged_prefill_ref(
-            *args, meta.cu_seqlens_q, meta.context_lens, self.scale, **scales
-        )
+            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+            self.scale, **scales,
+        )  # fmt: skip
 
 
 def gpu_attention(

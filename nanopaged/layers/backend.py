@@ -1,8 +1,10 @@
-"""Where the layers' ops run, chosen once per model: Triton kernels on CUDA, their torch
-references elsewhere (the same functions the kernel tests use as their oracles).
+"""Where the layers' ops run, chosen once per model: Triton kernels on CUDA; on a CPU the
+kernels' torch references (the same functions the kernel tests use as their oracles), and
+for bfloat16 models the C kernels of kernels/cpu_native.c where they compiled.
 
-The ModelRunner picks the backend for its device and binds it to every layer that computes
-(`bind_backend`); a layer built outside a runner computes with the references, on any device.
+The ModelRunner picks the backend for its device and dtype and binds it to every layer that
+computes (`bind_backend`); a layer built outside a runner computes with the references, on
+any device.
 """
 
 from __future__ import annotations
@@ -14,7 +16,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanopaged.kernels import fused_moe, rms_norm, sampler, silu_and_mul
+from nanopaged.kernels import (
+    cpu_native,
+    fused_moe,
+    paged_decode,
+    rms_norm,
+    rotary,
+    sampler,
+    silu_and_mul,
+    store_kv,
+)
 from nanopaged.layers import cpu_gemm
 
 
@@ -47,6 +58,58 @@ def _linear_cuda(
     return F.linear(x, weight, bias)
 
 
+def _store_kv_ref(key, value, k_cache, v_cache, meta, k_scale=None, v_scale=None) -> None:
+    # Whether a slot is -1 (a token not to store) is read back once per step, by the first layer.
+    if meta.skips_slots is None:
+        meta.skips_slots = bool((meta.slot_mapping < 0).any())
+    store_kv.store_kv_ref(
+        key, value, k_cache, v_cache, meta.slot_mapping,
+        k_scale=k_scale, v_scale=v_scale, may_skip=meta.skips_slots,
+    )  # fmt: skip
+
+
+def _decode_ref(q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None) -> torch.Tensor:
+    # The gather plan is shared by every layer of the step, built by the first.
+    if meta.decode_plan is None:
+        meta.decode_plan = paged_decode.decode_plan(
+            meta.block_tables, meta.context_lens, k_cache.shape[1]
+        )
+    return paged_decode.paged_decode_ref(
+        q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+        plan=meta.decode_plan, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+
+
+def _rms_norm_native(x, weight, eps, residual=None):
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        return rms_norm.rms_norm_ref(x, weight, eps, residual)
+    return cpu_native.rms_norm(x, weight, eps, residual)
+
+
+def _rotate_native(x, cos_t, signed_sin_t):
+    if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
+        return rotary.rotate_ref(x, cos_t, signed_sin_t)
+    return cpu_native.rotate(x, cos_t, signed_sin_t)
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def _store_kv_native(key, value, k_cache, v_cache, meta, k_scale=None, v_scale=None) -> None:
+    if k_cache.dtype != torch.bfloat16 or not (_heads_contiguous(key) and _heads_contiguous(value)):
+        return _store_kv_ref(key, value, k_cache, v_cache, meta, k_scale, v_scale)
+    cpu_native.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+
+
+def _decode_native(q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None):
+    if k_cache.dtype != torch.bfloat16 or q.dtype != torch.bfloat16:
+        return _decode_ref(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    return cpu_native.paged_decode(
+        q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len
+    )
+
+
 @dataclass(frozen=True)
 class Backend:
     """The ops a model's layers call. triton: the layers with a fused form of several ops
@@ -66,6 +129,13 @@ class Backend:
     # (logits, temperatures, top_ks, top_ps, min_ps, seeds, offsets, num_logprobs,
     #  vocab_start, *, logprobs) -> FusedSample
     sample: Callable
+    # The CPU layers' ops (the Triton layers take fused kernels instead):
+    # (x [tokens, heads, dim], cos_t, signed_sin_t) -> rotated x, see kernels/rotary.rotate_ref
+    rotate: Callable = rotary.rotate_ref
+    # (key, value, k_cache, v_cache, meta, k_scale, v_scale): this step's K/V into the cache
+    store_kv: Callable = _store_kv_ref
+    # (q, k_cache, v_cache, meta, scale, k_scale, v_scale) -> decode attention's output
+    decode_attention: Callable = _decode_ref
 
 
 TORCH = Backend(
@@ -89,9 +159,32 @@ TRITON = Backend(
 )
 
 
-def backend_for(device: torch.device | str) -> Backend:
-    """Triton kernels on CUDA, the torch references on every other device."""
-    return TRITON if torch.device(device).type == "cuda" else TORCH
+# bfloat16 models on a CPU where kernels/cpu_native.c compiled: its kernels for the norms,
+# rotary, the KV store and decode attention; the rest (and fp8 caches) as TORCH.
+CPU_NATIVE = Backend(
+    name="cpu-native",
+    triton=False,
+    linear=cpu_gemm.linear,
+    rms_norm=_rms_norm_native,
+    # SiLU stays torch's: its vectorized exp beat a C loop here (bound by arithmetic)
+    silu_and_mul=silu_and_mul.silu_and_mul_ref,
+    fused_moe=fused_moe.fused_moe_ref,
+    sample=sampler.sample_ref,
+    rotate=_rotate_native,
+    store_kv=_store_kv_native,
+    decode_attention=_decode_native,
+)
+
+
+def backend_for(device: torch.device | str, dtype: torch.dtype | None = None) -> Backend:
+    """Triton kernels on CUDA; on other devices the torch references, or for a bfloat16 model
+    (dtype) on a CPU the C kernels when they compile (kernels/cpu_native.load)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return TRITON
+    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_native.available():
+        return CPU_NATIVE
+    return TORCH
 
 
 class UsesBackend:

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from nanopaged.kernels.rotary import apply_rotary, qk_norm_rotary, rotary_tables_ref, rotate_ref
+from nanopaged.kernels.rotary import apply_rotary, qk_norm_rotary, rotary_tables_ref
 from nanopaged.layers.backend import UsesBackend
 from nanopaged.layers.norm import RMSNorm
 
@@ -61,7 +61,7 @@ class RotaryEmbedding(UsesBackend, nn.Module):
         cos, sin = self._tables(positions, q.dtype)
         # qk: [num_tokens, num_heads + num_kv_heads, head_dim]; on CPU each op's dispatch is a
         # visible share of a decode step, so q and k rotate together (the same math per element).
-        qk = rotate_ref(_joined_heads(q, k), cos, sin)
+        qk = self.backend.rotate(_joined_heads(q, k), cos, sin)
         return qk.split([q.shape[1], k.shape[1]], dim=1)
 
     def _tables(
