@@ -111,21 +111,25 @@ void np_rotate(const bf16 *x, int64_t sxt, int64_t sxh, const bf16 *cos, const b
 }
 
 /* key/value rows of `row` contiguous elements (stride sk / sv between tokens) into the
- * caches' slots; slot -1 skips the token. */
-void np_store_kv(const bf16 *key, int64_t sk, const bf16 *value, int64_t sv, bf16 *k_cache,
-                 bf16 *v_cache, const int64_t *slots, int64_t tokens, int64_t row) {
+ * caches' slots (num_slots of them); slot -1 skips the token. Returns 0, or -1 (nothing
+ * written) when a slot is out of range. */
+int np_store_kv(const bf16 *key, int64_t sk, const bf16 *value, int64_t sv, bf16 *k_cache,
+                bf16 *v_cache, const int64_t *slots, int64_t tokens, int64_t row,
+                int64_t num_slots) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] < -1 || slots[t] >= num_slots) return -1;
     for (int64_t t = 0; t < tokens; t++) {
         int64_t slot = slots[t];
         if (slot < 0) continue;
         memcpy(k_cache + slot * row, key + t * sk, (size_t)row * sizeof(bf16));
         memcpy(v_cache + slot * row, value + t * sv, (size_t)row * sizeof(bf16));
     }
+    return 0;
 }
 
-/* One sequence's KV head for np_paged_decode: scores of the head's `group` queries (qf,
- * fp32, pre-scaled) against the `len` cached tokens, softmax, then the weighted sum of V into
- * acc. Inlined with dim a constant for the common head sizes, so the per-token loops are a
- * few whole vectors. */
+/* One sequence's KV head for np_paged_decode, any head size: scores of the head's `group`
+ * queries (qf, fp32, pre-scaled) against the `len` cached tokens, softmax, then the weighted
+ * sum of V into acc, rounded into o. */
 static inline __attribute__((always_inline)) void decode_head(
     const float *qf, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table,
     int64_t len, int64_t block_size, int64_t row, int64_t kh, int64_t group, int64_t dim,
@@ -304,18 +308,26 @@ static inline __attribute__((always_inline)) void decode_head_vec(
  * (the fp32 dot of bf16 values, times scale), softmax in fp32, the probabilities times V
  * summed in fp32, rounded once. q [batch, heads, dim] with strides (sqb, sqh, 1); caches
  * [blocks, block_size, kv_heads, dim] contiguous; block_tables [batch, *] (stride sbt);
- * out contiguous [batch, heads, dim]; scratch: scratch_len floats, at least
- * group * (longest context + 2 * dim) + dim. An empty context writes zeros, as the kernel
- * does. Returns 0, or -1 (nothing written) when the scratch is too small. */
+ * `width` entries of num_blocks ids each; out contiguous [batch, heads, dim]; scratch:
+ * scratch_len floats, at least group * (longest context + 2 * dim) + dim. An empty context
+ * writes zeros, as the kernel does. Returns 0; nothing is written and -1 is returned when the
+ * scratch is too small, -2 when a context needs more table entries than there are or a block
+ * id it reads is out of range. */
 int np_paged_decode(const bf16 *q, int64_t sqb, int64_t sqh, const bf16 *k_cache,
-                    const bf16 *v_cache, const int32_t *block_tables, int64_t sbt,
-                    const int32_t *context_lens, int64_t batch, int64_t heads,
-                    int64_t kv_heads, int64_t dim, int64_t block_size, float scale,
-                    float *scratch, int64_t scratch_len, bf16 *out) {
+                    const bf16 *v_cache, int64_t num_blocks, const int32_t *block_tables,
+                    int64_t sbt, int64_t width, const int32_t *context_lens, int64_t batch,
+                    int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                    float scale, float *scratch, int64_t scratch_len, bf16 *out) {
     int64_t group = heads / kv_heads, row = kv_heads * dim;
     int64_t max_len = 0;
-    for (int64_t b = 0; b < batch; b++)
-        if (context_lens[b] > max_len) max_len = context_lens[b];
+    for (int64_t b = 0; b < batch; b++) {
+        int64_t len = context_lens[b], used = (len + block_size - 1) / block_size;
+        if (used > width) return -2;
+        for (int64_t j = 0; j < used; j++)
+            if (block_tables[b * sbt + j] < 0 || block_tables[b * sbt + j] >= num_blocks)
+                return -2;
+        if (len > max_len) max_len = len;
+    }
     if (group * (max_len + 2 * dim) + dim > scratch_len) return -1;
     float *scores = scratch;               /* [group, len] */
     float *qf = scratch + group * max_len; /* [group, dim] */

@@ -41,8 +41,8 @@ _F = ctypes.c_float
 _SIGNATURES = {
     "np_rms_norm": [_P, _I, _P, _I, _P, _P, _I, _P, _I, _I, _I, _F],
     "np_rotate": [_P, _I, _I, _P, _P, _I, _P, _I, _I, _I],
-    "np_store_kv": [_P, _I, _P, _I, _P, _P, _P, _I, _I],
-    "np_paged_decode": [_P, _I, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I, _P],
+    "np_store_kv": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I],
+    "np_paged_decode": [_P, _I, _I, _P, _P, _I, _P, _I, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I, _P],
 }
 
 
@@ -109,7 +109,7 @@ def load() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = ctypes.c_int if name == "np_paged_decode" else None
+        fn.restype = ctypes.c_int if name in ("np_paged_decode", "np_store_kv") else None
     return lib
 
 
@@ -124,40 +124,48 @@ def _lib() -> ctypes.CDLL:
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x as rows of its last dimension, each row contiguous."""
+    """x as rows of its last dimension, each row contiguous (x itself when it already is)."""
+    if x.dim() == 2 and x.stride(1) == 1:
+        return x
     rows = x.reshape(-1, x.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def _check_bf16(*tensors: torch.Tensor) -> None:
     for t in tensors:
-        assert t.dtype == torch.bfloat16 and t.device.type == "cpu", (t.dtype, t.device)
+        assert t.dtype is torch.bfloat16 and not t.is_cuda, (t.dtype, t.device)
+
+
+# The wrappers run once per layer and step: each check and allocation here is a visible share
+# of a decode step at small batches (the kernels themselves take a few µs there).
 
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """rms_norm_ref's result (see kernels/rms_norm.py): out, or (out, x + residual)."""
-    shape = x.shape
     xr = _rows(x)
-    _check_bf16(xr, weight)
-    assert weight.is_contiguous() and weight.shape == (shape[-1],), weight.shape
     rows, hidden = xr.shape
-    out = torch.empty((rows, hidden), dtype=x.dtype)
+    _check_bf16(xr, weight)
+    assert weight.stride(0) == 1 and weight.shape[0] == hidden, weight.shape
+    out = torch.empty((rows, hidden), dtype=torch.bfloat16)
     if residual is None:
         _lib().np_rms_norm(
             xr.data_ptr(), xr.stride(0), None, 0, weight.data_ptr(), out.data_ptr(), hidden,
             None, 0, rows, hidden, eps,
         )  # fmt: skip
-        return out.view(shape)
+        return out if xr is x else out.view(x.shape)
     rr = _rows(residual)
     _check_bf16(rr)
+    assert rr.shape == xr.shape, (rr.shape, xr.shape)
     new_residual = torch.empty_like(out)
     _lib().np_rms_norm(
         xr.data_ptr(), xr.stride(0), rr.data_ptr(), rr.stride(0), weight.data_ptr(),
         out.data_ptr(), hidden, new_residual.data_ptr(), hidden, rows, hidden, eps,
     )  # fmt: skip
-    return out.view(shape), new_residual.view(shape)
+    if xr is x:
+        return out, new_residual
+    return out.view(x.shape), new_residual.view(x.shape)
 
 
 def rotate(x: torch.Tensor, cos_t: torch.Tensor, signed_sin_t: torch.Tensor) -> torch.Tensor:
@@ -168,7 +176,7 @@ def rotate(x: torch.Tensor, cos_t: torch.Tensor, signed_sin_t: torch.Tensor) -> 
     assert x.stride(2) == 1 and dim % 2 == 0, (x.stride(), dim)
     assert cos_t.shape == signed_sin_t.shape == (tokens, 1, dim), (cos_t.shape, x.shape)
     assert cos_t.is_contiguous() and signed_sin_t.is_contiguous()
-    out = torch.empty((tokens, heads, dim), dtype=x.dtype)
+    out = torch.empty((tokens, heads, dim), dtype=torch.bfloat16)
     _lib().np_rotate(
         x.data_ptr(), x.stride(0), x.stride(1), cos_t.data_ptr(), signed_sin_t.data_ptr(), dim,
         out.data_ptr(), tokens, heads, dim,
@@ -187,16 +195,18 @@ def store_kv(
     skips). Each token's heads must lie contiguously (a view of a qkv row does)."""
     tokens, kv_heads, dim = key.shape
     _check_bf16(key, value, k_cache, v_cache)
-    for t in (key, value):
-        assert t.stride(2) == 1 and t.stride(1) == dim, t.stride()
+    assert key.stride()[1:] == value.stride()[1:] == (dim, 1), (key.stride(), value.stride())
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert k_cache.shape[-2:] == (kv_heads, dim) and v_cache.shape == k_cache.shape
     assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
     assert slot_mapping.shape == (tokens,), (slot_mapping.shape, tokens)
-    _lib().np_store_kv(
+    row = kv_heads * dim
+    status = _lib().np_store_kv(
         key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),
-        v_cache.data_ptr(), slot_mapping.data_ptr(), tokens, kv_heads * dim,
+        v_cache.data_ptr(), slot_mapping.data_ptr(), tokens, row, k_cache.numel() // row,
     )  # fmt: skip
+    if status != 0:
+        raise ValueError(f"slot_mapping holds a slot outside [-1, {k_cache.numel() // row})")
 
 
 def paged_decode(
@@ -212,20 +222,23 @@ def paged_decode(
     bf16 before the sum over V). q [batch, heads, dim]; max_context_len >= every context."""
     batch, heads, dim = q.shape
     _check_bf16(q, k_cache, v_cache)
-    _, block_size, kv_heads, cache_dim = k_cache.shape
+    num_blocks, block_size, kv_heads, cache_dim = k_cache.shape
     assert cache_dim == dim and heads % kv_heads == 0 and q.stride(2) == 1, (q.shape, k_cache.shape)
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
-    assert block_tables.dtype == context_lens.dtype == torch.int32
+    assert block_tables.dtype is torch.int32 and context_lens.dtype is torch.int32
     assert block_tables.stride(1) == 1 and context_lens.is_contiguous()
     assert block_tables.shape[0] == context_lens.shape[0] == batch
     group = heads // kv_heads
     scratch = torch.empty(group * (max_context_len + 2 * dim) + dim, dtype=torch.float32)
-    out = torch.empty((batch, heads, dim), dtype=q.dtype)
+    out = torch.empty((batch, heads, dim), dtype=torch.bfloat16)
     status = _lib().np_paged_decode(
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
-        block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), batch, heads,
-        kv_heads, dim, block_size, scale, scratch.data_ptr(), scratch.numel(), out.data_ptr(),
+        num_blocks, block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
+        context_lens.data_ptr(), batch, heads, kv_heads, dim, block_size, scale,
+        scratch.data_ptr(), scratch.numel(), out.data_ptr(),
     )  # fmt: skip
-    if status != 0:
+    if status == -1:
         raise ValueError(f"max_context_len={max_context_len} is below a context length")
+    if status != 0:
+        raise ValueError("block_tables do not cover context_lens with blocks of the cache")
     return out

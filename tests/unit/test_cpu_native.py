@@ -166,10 +166,23 @@ def test_paged_decode_matches_reference(block_size, heads, kv_heads, dim):
 
 
 @needs_kernels
-def test_paged_decode_rejects_a_short_max_context_len():
+def test_out_of_range_inputs_raise_before_any_write():
+    # The C code trusts no index it reads memory with: each is checked first.
     q, k_cache, v_cache, tables, lens = _decode_inputs([5, 40], 16, 4, 2, 64, seed=0)
     with pytest.raises(ValueError, match="max_context_len"):
         cpu_native.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, 39)
+    with pytest.raises(ValueError, match="block_tables"):  # 40 tokens need 3 entries
+        cpu_native.paged_decode(q, k_cache, v_cache, tables[:, :2], lens, 0.125, 40)
+    bad = tables.clone()
+    bad[1, 2] = k_cache.shape[0]  # a block id past the cache
+    with pytest.raises(ValueError, match="block_tables"):
+        cpu_native.paged_decode(q, k_cache, v_cache, bad, lens, 0.125, 40)
+    key = rand(3, 2, 64, seed=1)
+    caches = [torch.zeros(4, 16, 2, 64, dtype=BF16) for _ in range(2)]
+    for slot in (64, -2):
+        with pytest.raises(ValueError, match="slot"):
+            cpu_native.store_kv(key, key, *caches, torch.tensor([0, slot, 1]))
+        assert not caches[0].any() and not caches[1].any()
 
 
 @needs_kernels
