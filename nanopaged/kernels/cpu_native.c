@@ -303,6 +303,61 @@ static inline __attribute__((always_inline)) void decode_head_vec(
     }
 }
 
+/* Checks np_paged_decode's and np_rotary_decode's tables: 0, or -2 when a context needs
+ * more table entries than there are or a block id it reads is out of range; *max_len gets
+ * the longest context. */
+static int check_tables(const int32_t *block_tables, int64_t sbt, int64_t width,
+                        const int32_t *context_lens, int64_t batch, int64_t block_size,
+                        int64_t num_blocks, int64_t *max_len) {
+    *max_len = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        int64_t len = context_lens[b], used = (len + block_size - 1) / block_size;
+        if (used > width) return -2;
+        for (int64_t j = 0; j < used; j++)
+            if (block_tables[b * sbt + j] < 0 || block_tables[b * sbt + j] >= num_blocks)
+                return -2;
+        if (len > *max_len) *max_len = len;
+    }
+    return 0;
+}
+
+/* Attention of sequence b's query heads qb (bf16, head stride sqh) over its cached tokens,
+ * into out [heads, dim]: each KV head's group through decode_head(_vec). */
+static void attend(const bf16 *qb, int64_t sqh, const bf16 *k_cache, const bf16 *v_cache,
+                   const int32_t *table, int64_t len, int64_t heads, int64_t kv_heads,
+                   int64_t dim, int64_t block_size, float scale, float *scratch,
+                   int64_t max_len, bf16 *out) {
+    int64_t group = heads / kv_heads, row = kv_heads * dim;
+    float *scores = scratch;               /* [group, len] */
+    float *qf = scratch + group * max_len; /* [group, dim] */
+    float *acc = qf + group * dim;         /* [group, dim] */
+    float *row_f = acc + group * dim;      /* [dim] */
+    for (int64_t kh = 0; kh < kv_heads; kh++) {
+        bf16 *o = out + kh * group * dim;
+        if (len <= 0) {
+            memset(o, 0, (size_t)(group * dim) * sizeof(bf16));
+            continue;
+        }
+        for (int64_t g = 0; g < group; g++) {
+            const bf16 *qh = qb + (kh * group + g) * sqh;
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) qf[g * dim + i] = f32(qh[i]) * scale;
+        }
+        if (dim == 64)
+            decode_head_vec(qf, k_cache, v_cache, table, len, block_size, row, kh, group, 4,
+                            scores, acc, o);
+        else if (dim == 128)
+            decode_head_vec(qf, k_cache, v_cache, table, len, block_size, row, kh, group, 8,
+                            scores, acc, o);
+        else if (dim % 16 == 0 && dim <= 16 * MAX_DIM_VECS)
+            decode_head_vec(qf, k_cache, v_cache, table, len, block_size, row, kh, group,
+                            dim / 16, scores, acc, o);
+        else
+            decode_head(qf, k_cache, v_cache, table, len, block_size, row, kh, group, dim,
+                        scores, row_f, acc, o);
+    }
+}
+
 /* Decode attention over the paged cache, paged_decode_ref's result in fp32 arithmetic:
  * for each sequence and KV head, the scores of its query group against every cached token
  * (the fp32 dot of bf16 values, times scale), softmax in fp32, the probabilities times V
@@ -318,48 +373,66 @@ int np_paged_decode(const bf16 *q, int64_t sqb, int64_t sqh, const bf16 *k_cache
                     int64_t sbt, int64_t width, const int32_t *context_lens, int64_t batch,
                     int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
                     float scale, float *scratch, int64_t scratch_len, bf16 *out) {
-    int64_t group = heads / kv_heads, row = kv_heads * dim;
-    int64_t max_len = 0;
+    int64_t max_len;
+    if (check_tables(block_tables, sbt, width, context_lens, batch, block_size, num_blocks,
+                     &max_len))
+        return -2;
+    if ((heads / kv_heads) * (max_len + 2 * dim) + dim > scratch_len) return -1;
+    for (int64_t b = 0; b < batch; b++)
+        attend(q + b * sqb, sqh, k_cache, v_cache, block_tables + b * sbt, context_lens[b],
+               heads, kv_heads, dim, block_size, scale, scratch, max_len, out + b * heads * dim);
+    return 0;
+}
+
+/* A decode step's attention block after the qkv projection, in one call: rotary on q and k
+ * at each sequence's position (np_rotate's arithmetic, the fp32 tables cos/sin [*, dim]
+ * rounded to bf16 as rotary_tables_ref does), k and v stored at the sequence's slot (-1
+ * skips), then np_paged_decode over the cache with the rotated q. q [batch, heads, dim],
+ * k and v [batch, kv_heads, dim], each head's row contiguous, strides (s*t, s*h). Checks as
+ * np_paged_decode's, plus -3 when a position is outside [0, max_position) or a slot outside
+ * [-1, num_blocks * block_size); the scratch also holds heads * dim more floats. */
+int np_rotary_decode(const bf16 *q, int64_t sqt, int64_t sqh, const bf16 *k, int64_t skt,
+                     int64_t skh, const bf16 *v, int64_t svt, int64_t svh,
+                     const int64_t *positions, const float *cos, const float *sin,
+                     int64_t max_position, const int64_t *slots, bf16 *k_cache,
+                     bf16 *v_cache, int64_t num_blocks, const int32_t *block_tables,
+                     int64_t sbt, int64_t width, const int32_t *context_lens, int64_t batch,
+                     int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                     float scale, float *scratch, int64_t scratch_len, bf16 *out) {
+    int64_t max_len, half = dim / 2, row = kv_heads * dim;
+    if (check_tables(block_tables, sbt, width, context_lens, batch, block_size, num_blocks,
+                     &max_len))
+        return -2;
+    for (int64_t b = 0; b < batch; b++)
+        if (positions[b] < 0 || positions[b] >= max_position || slots[b] < -1 ||
+            slots[b] >= num_blocks * block_size)
+            return -3;
+    int64_t attend_len = (heads / kv_heads) * (max_len + 2 * dim) + dim;
+    if (attend_len + (heads + 1) * dim > scratch_len) return -1;
+    /* rotated q heads of one sequence (bf16) and this position's table rows, after attend's */
+    bf16 *q_rot = (bf16 *)(scratch + attend_len);
+    bf16 *tables = q_rot + heads * dim; /* cos [dim], then sin with its first half negated */
+    bf16 *k_row = tables + 2 * dim;     /* [dim] */
     for (int64_t b = 0; b < batch; b++) {
-        int64_t len = context_lens[b], used = (len + block_size - 1) / block_size;
-        if (used > width) return -2;
-        for (int64_t j = 0; j < used; j++)
-            if (block_tables[b * sbt + j] < 0 || block_tables[b * sbt + j] >= num_blocks)
-                return -2;
-        if (len > max_len) max_len = len;
-    }
-    if (group * (max_len + 2 * dim) + dim > scratch_len) return -1;
-    float *scores = scratch;               /* [group, len] */
-    float *qf = scratch + group * max_len; /* [group, dim] */
-    float *acc = qf + group * dim;         /* [group, dim] */
-    float *row_f = acc + group * dim;      /* [dim] */
-    for (int64_t b = 0; b < batch; b++) {
-        int64_t len = context_lens[b];
-        const int32_t *table = block_tables + b * sbt;
-        for (int64_t kh = 0; kh < kv_heads; kh++) {
-            bf16 *o = out + (b * heads + kh * group) * dim;
-            if (len <= 0) {
-                memset(o, 0, (size_t)(group * dim) * sizeof(bf16));
-                continue;
-            }
-            for (int64_t g = 0; g < group; g++) {
-                const bf16 *qh = q + b * sqb + (kh * group + g) * sqh;
+        const float *c32 = cos + positions[b] * dim, *s32 = sin + positions[b] * dim;
+        bf16 *c = tables, *sn = tables + dim;
 #pragma omp simd
-                for (int64_t i = 0; i < dim; i++) qf[g * dim + i] = f32(qh[i]) * scale;
-            }
-            if (dim == 64)
-                decode_head_vec(qf, k_cache, v_cache, table, len, block_size, row, kh, group, 4,
-                                scores, acc, o);
-            else if (dim == 128)
-                decode_head_vec(qf, k_cache, v_cache, table, len, block_size, row, kh, group, 8,
-                                scores, acc, o);
-            else if (dim % 16 == 0 && dim <= 16 * MAX_DIM_VECS)
-                decode_head_vec(qf, k_cache, v_cache, table, len, block_size, row, kh, group,
-                                dim / 16, scores, acc, o);
-            else
-                decode_head(qf, k_cache, v_cache, table, len, block_size, row, kh, group, dim,
-                            scores, row_f, acc, o);
+        for (int64_t i = 0; i < dim; i++) {
+            c[i] = round_bf16(c32[i]);
+            sn[i] = round_bf16(s32[i]);
         }
+        for (int64_t i = 0; i < half; i++) sn[i] ^= 0x8000; /* -x, exactly */
+        np_rotate(q + b * sqt, 0, sqh, c, sn, 0, q_rot, 1, heads, dim);
+        if (slots[b] >= 0) {
+            for (int64_t h = 0; h < kv_heads; h++) {
+                np_rotate(k + b * skt + h * skh, 0, 0, c, sn, 0, k_row, 1, 1, dim);
+                memcpy(k_cache + slots[b] * row + h * dim, k_row, (size_t)dim * sizeof(bf16));
+                memcpy(v_cache + slots[b] * row + h * dim, v + b * svt + h * svh,
+                       (size_t)dim * sizeof(bf16));
+            }
+        }
+        attend(q_rot, dim, k_cache, v_cache, block_tables + b * sbt, context_lens[b], heads,
+               kv_heads, dim, block_size, scale, scratch, max_len, out + b * heads * dim);
     }
     return 0;
 }

@@ -43,6 +43,10 @@ _SIGNATURES = {
     "np_rotate": [_P, _I, _I, _P, _P, _I, _P, _I, _I, _I],
     "np_store_kv": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I],
     "np_paged_decode": [_P, _I, _I, _P, _P, _I, _P, _I, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I, _P],
+    "np_rotary_decode": [
+        _P, _I, _I, _P, _I, _I, _P, _I, _I, _P, _P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _P,
+        _I, _I, _I, _I, _I, _F, _P, _I, _P,
+    ],
 }
 
 
@@ -109,7 +113,8 @@ def load() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = ctypes.c_int if name in ("np_paged_decode", "np_store_kv") else None
+        checked = name in ("np_paged_decode", "np_rotary_decode", "np_store_kv")
+        fn.restype = ctypes.c_int if checked else None
     return lib
 
 
@@ -209,6 +214,27 @@ def store_kv(
         raise ValueError(f"slot_mapping holds a slot outside [-1, {k_cache.numel() // row})")
 
 
+def _check_decode(q, k_cache, v_cache, block_tables, context_lens) -> None:
+    batch, heads, dim = q.shape
+    _check_bf16(q, k_cache, v_cache)
+    kv_heads, cache_dim = k_cache.shape[2:]
+    assert cache_dim == dim and heads % kv_heads == 0 and q.stride(2) == 1, (q.shape, k_cache.shape)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+    assert block_tables.dtype is torch.int32 and context_lens.dtype is torch.int32
+    assert block_tables.stride(1) == 1 and context_lens.is_contiguous()
+    assert block_tables.shape[0] == context_lens.shape[0] == batch
+
+
+def _decode_status(status: int, max_context_len: int) -> None:
+    if status == -1:
+        raise ValueError(f"max_context_len={max_context_len} is below a context length")
+    if status == -2:
+        raise ValueError("block_tables do not cover context_lens with blocks of the cache")
+    if status == -3:
+        raise ValueError("a position is outside the rotary tables or a slot outside the cache")
+    assert status == 0, status
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -220,16 +246,12 @@ def paged_decode(
 ) -> torch.Tensor:
     """paged_decode_ref for a bf16 cache, in fp32 arithmetic (probabilities not rounded to
     bf16 before the sum over V). q [batch, heads, dim]; max_context_len >= every context."""
+    _check_decode(q, k_cache, v_cache, block_tables, context_lens)
     batch, heads, dim = q.shape
-    _check_bf16(q, k_cache, v_cache)
-    num_blocks, block_size, kv_heads, cache_dim = k_cache.shape
-    assert cache_dim == dim and heads % kv_heads == 0 and q.stride(2) == 1, (q.shape, k_cache.shape)
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
-    assert block_tables.dtype is torch.int32 and context_lens.dtype is torch.int32
-    assert block_tables.stride(1) == 1 and context_lens.is_contiguous()
-    assert block_tables.shape[0] == context_lens.shape[0] == batch
-    group = heads // kv_heads
-    scratch = torch.empty(group * (max_context_len + 2 * dim) + dim, dtype=torch.float32)
+    num_blocks, block_size, kv_heads = k_cache.shape[:3]
+    scratch = torch.empty(
+        heads // kv_heads * (max_context_len + 2 * dim) + dim, dtype=torch.float32
+    )
     out = torch.empty((batch, heads, dim), dtype=torch.bfloat16)
     status = _lib().np_paged_decode(
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
@@ -237,8 +259,52 @@ def paged_decode(
         context_lens.data_ptr(), batch, heads, kv_heads, dim, block_size, scale,
         scratch.data_ptr(), scratch.numel(), out.data_ptr(),
     )  # fmt: skip
-    if status == -1:
-        raise ValueError(f"max_context_len={max_context_len} is below a context length")
-    if status != 0:
-        raise ValueError("block_tables do not cover context_lens with blocks of the cache")
+    _decode_status(status, max_context_len)
+    return out
+
+
+def rotary_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int,
+) -> torch.Tensor:
+    """A decode step's attention after the qkv projection, in one call: rotate q and k at
+    positions (rotate_ref's result with rotary_tables_ref's tables from cos/sin [positions,
+    dim] fp32), store k and v at slot_mapping (store_kv_ref), then paged_decode. q [batch,
+    heads, dim], k and v [batch, kv_heads, dim] (views of the qkv rows: each head's row
+    contiguous); positions and slot_mapping int64, one per sequence."""
+    _check_decode(q, k_cache, v_cache, block_tables, context_lens)
+    batch, heads, dim = q.shape
+    num_blocks, block_size, kv_heads = k_cache.shape[:3]
+    _check_bf16(k, v)
+    assert k.shape == v.shape == (batch, kv_heads, dim), (k.shape, v.shape, q.shape)
+    assert k.stride(2) == 1 and v.stride(2) == 1 and dim % 2 == 0, (k.stride(), v.stride())
+    assert cos.dtype is sin.dtype is torch.float32 and cos.shape == sin.shape
+    assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[1] == dim, cos.shape
+    for t in (positions, slot_mapping):
+        assert t.dtype is torch.int64 and t.is_contiguous() and t.shape == (batch,), t.shape
+    scratch = torch.empty(
+        heads // kv_heads * (max_context_len + 2 * dim) + dim + (heads + 1) * dim,
+        dtype=torch.float32,
+    )  # fmt: skip
+    out = torch.empty((batch, heads, dim), dtype=torch.bfloat16)
+    status = _lib().np_rotary_decode(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+        v.data_ptr(), v.stride(0), v.stride(1), positions.data_ptr(), cos.data_ptr(),
+        sin.data_ptr(), cos.shape[0], slot_mapping.data_ptr(), k_cache.data_ptr(),
+        v_cache.data_ptr(), num_blocks, block_tables.data_ptr(), block_tables.stride(0),
+        block_tables.shape[1], context_lens.data_ptr(), batch, heads, kv_heads, dim,
+        block_size, scale, scratch.data_ptr(), scratch.numel(), out.data_ptr(),
+    )  # fmt: skip
+    _decode_status(status, max_context_len)
     return out

@@ -110,6 +110,22 @@ def _decode_native(q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None)
     )
 
 
+def _rotary_decode_native(attn, rotary, positions, q, k, v, meta) -> torch.Tensor:
+    k_cache = attn.k_cache
+    assert k_cache is not None, "KV cache not bound"
+    if not (
+        q.dtype == k_cache.dtype == torch.bfloat16
+        and rotary.cos.dtype == torch.float32
+        and positions.dtype == meta.slot_mapping.dtype == torch.int64
+    ):
+        q, k = rotary(positions, q, k)
+        return attn(q, k, v, meta)
+    return cpu_native.rotary_decode(
+        q, k, v, positions, rotary.cos, rotary.sin, k_cache, attn.v_cache, meta.slot_mapping,
+        meta.block_tables, meta.context_lens, attn.scale, meta.max_context_len,
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Backend:
     """The ops a model's layers call. triton: the layers with a fused form of several ops
@@ -136,6 +152,9 @@ class Backend:
     store_kv: Callable = _store_kv_ref
     # (q, k_cache, v_cache, meta, scale, k_scale, v_scale) -> decode attention's output
     decode_attention: Callable = _decode_ref
+    # A decode step's rotary, KV store and attention in one call, or None (each on its own):
+    # (attention layer, rotary layer, positions, q, k, v, meta) -> attention's output
+    rotary_decode: Callable | None = None
 
 
 TORCH = Backend(
@@ -173,6 +192,7 @@ CPU_NATIVE = Backend(
     rotate=_rotate_native,
     store_kv=_store_kv_native,
     decode_attention=_decode_native,
+    rotary_decode=_rotary_decode_native,
 )
 
 

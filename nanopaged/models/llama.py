@@ -63,12 +63,19 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            # Triton: one kernel for both per-head norms and the rotation.
-            q, k = self.rotary.forward_with_qk_norm(positions, q, k, self.q_norm, self.k_norm)
+        fused_decode = self.attn.backend.rotary_decode
+        if meta.is_decode and fused_decode is not None:
+            # CPU bf16: rotary, the KV store and decode attention in one C call.
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            out = fused_decode(self.attn, self.rotary, positions, q, k, v, meta)
         else:
-            q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, meta)
+            if self.q_norm is not None:
+                # Triton: one kernel for both per-head norms and the rotation.
+                q, k = self.rotary.forward_with_qk_norm(positions, q, k, self.q_norm, self.k_norm)
+            else:
+                q, k = self.rotary(positions, q, k)
+            out = self.attn(q, k, v, meta)
         # out: [num_tokens, num_heads, head_dim] -> [num_tokens, hidden_size] (this rank's part)
         return self.o_proj(out.reshape(-1, self.q_size))
 

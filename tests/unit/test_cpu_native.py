@@ -209,3 +209,57 @@ def test_bf16_llm_runs_the_kernels_and_agrees_with_the_references(tmp_path, fami
             assert len(shared) >= 4
             for tok in shared:
                 assert abs(la[tok].logprob - lb[tok].logprob) < 0.05, (tok, la[tok], lb[tok])
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (6, 2, 40)])
+def test_rotary_decode_is_rotate_store_then_decode(heads, kv_heads, dim):
+    # The fused call equals its three steps bit for bit: the same output and the same cache.
+    lens = [7, 1, 33, 16, 90]
+    block_size = 16
+    _, k_cache, v_cache, tables, context_lens = _decode_inputs(
+        lens, block_size, heads, kv_heads, dim, seed=dim
+    )
+    for i, n in enumerate(lens):  # the new token's slot held NaN (past the old context)
+        block = int(tables[i, (n - 1) // block_size])
+        k_cache[block, (n - 1) % block_size] = float("nan")
+        v_cache[block, (n - 1) % block_size] = float("nan")
+    batch = len(lens)
+    qkv = rand(batch, (heads + 2 * kv_heads) * dim, seed=1, scale=2.0)
+    q = qkv[:, : heads * dim].view(batch, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(batch, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(batch, kv_heads, dim)
+    rotary = RotaryEmbedding(dim, 512, 10000.0)
+    positions = torch.tensor([n - 1 for n in lens])
+    slots = torch.tensor(
+        [int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+         for i, n in enumerate(lens)]
+    )  # fmt: skip
+    slots[3] = -1  # a token not to store: its slot keeps what it held
+    caches = (k_cache.clone(), v_cache.clone())
+    cos_t, sin_t = rotary_tables_ref(rotary.cos, rotary.sin, positions, BF16)
+    qr, kr = cpu_native.rotate(q, cos_t, sin_t), cpu_native.rotate(k, cos_t, sin_t)
+    cpu_native.store_kv(kr, v, k_cache, v_cache, slots)
+    expected = cpu_native.paged_decode(qr, k_cache, v_cache, tables, context_lens, 0.1, 90)
+    out = cpu_native.rotary_decode(
+        q, k, v, positions, rotary.cos, rotary.sin, *caches, slots, tables, context_lens, 0.1, 90
+    )
+    assert torch.equal(torch.nan_to_num(caches[0]), torch.nan_to_num(k_cache))
+    assert torch.equal(torch.nan_to_num(caches[1]), torch.nan_to_num(v_cache))
+    assert torch.equal(torch.nan_to_num(out), torch.nan_to_num(expected))
+    assert torch.isfinite(out[[0, 1, 2, 4]]).all()
+
+
+@needs_kernels
+def test_rotary_decode_rejects_positions_and_slots_out_of_range():
+    q, k_cache, v_cache, tables, lens = _decode_inputs([5, 40], 16, 4, 2, 64, seed=0)
+    kv = rand(2, 2, 64, seed=2)
+    rotary = RotaryEmbedding(64, 64, 10000.0)
+    before = k_cache.clone()
+    for positions, slots in (([4, 64], [4, 20]), ([4, -1], [4, 20]), ([4, 39], [4, 10**6])):
+        with pytest.raises(ValueError, match="position|slot"):
+            cpu_native.rotary_decode(
+                q, kv, kv, torch.tensor(positions), rotary.cos, rotary.sin, k_cache, v_cache,
+                torch.tensor(slots), tables, lens, 0.125, 40,
+            )  # fmt: skip
+    assert torch.equal(torch.nan_to_num(k_cache), torch.nan_to_num(before))
