@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from nanopaged.layers.attention import AttentionMetadata
+from nanopaged.layers.backend import graph_gemms
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -64,11 +65,12 @@ class DecodeGraphs:
         pool = None
         for bs in reversed(self.batch_sizes):
             args = (self.input_ids[:bs], self.positions[:bs], self._meta(bs))
-            self.hidden[:bs] = self.model(*args)  # compiles kernels outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.hidden[:bs] = self.model(*args)
+            with graph_gemms():  # small GEMMs: the skinny kernel, in graphs only
+                self.hidden[:bs] = self.model(*args)  # compiles kernels outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.hidden[:bs] = self.model(*args)
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()

@@ -9,6 +9,7 @@ any device.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from nanopaged.kernels import (
     rotary,
     sampler,
     silu_and_mul,
+    skinny_gemm,
     store_kv,
 )
 from nanopaged.layers import cpu_gemm
@@ -50,11 +52,44 @@ def _silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul.silu_and_mul(_rows(x)).view(*x.shape[:-1], x.shape[-1] // 2)
 
 
+# Decode-sized GEMMs (1 to 16 rows, 16-bit) of CUDA-graph decode steps go to the skinny
+# kernel, except 2+ rows on weights this large, where cuBLAS already streams at the copy rate
+# (Llama-3-8B's gate_up, 224 MB: 0.94-0.97x). fp32 stays on cuBLAS (exact, the HF parity
+# tests), and so do eager steps: there a Triton launch costs more host time than cuBLAS's,
+# and small eager steps are bound by the host (bench --sampling's logprobs row lost 15-20%
+# with the kernel in every small step, and nothing with it in graph steps only).
+_SKINNY_LARGE_WEIGHT = 64 << 20
+_graph_gemms = False
+
+
+@contextlib.contextmanager
+def graph_gemms():
+    """Decode GEMMs run inside this block take the skinny kernel where it wins: the CUDA
+    graph runner's warm-up and capture of each bucket (a replay runs no Python)."""
+    global _graph_gemms
+    previous, _graph_gemms = _graph_gemms, True
+    try:
+        yield
+    finally:
+        _graph_gemms = previous
+
+
 def _linear_cuda(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: None
 ) -> torch.Tensor:
-    # cuBLAS: at decode batch sizes a weight-streaming Triton GEMM measured slower on an H200
-    # (0.4-0.8x on Qwen3-0.6B and Llama-3-8B layer shapes at 1-16 rows).
+    # H200, CUDA graphs: the skinny kernel beats cuBLAS at 1 row on every Qwen3-0.6B and
+    # Llama-3-8B layer shape (1.1-3.8x) and ties or wins at 2-16 rows
+    # (benchmarks/skinny_gemm_bench.py).
+    if (
+        _graph_gemms
+        and x.dim() == 2
+        and x.shape[0] <= skinny_gemm.MAX_M
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.stride(1) == 1
+        and weight.is_contiguous()
+        and (x.shape[0] == 1 or weight.numel() * weight.element_size() < _SKINNY_LARGE_WEIGHT)
+    ):
+        return skinny_gemm.skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -64,3 +64,30 @@ def test_bound_backend_decides_not_the_device():
     gate_up = torch.randn(5, 128, device=DEVICE)
     bind_backend(act, TRITON)
     torch.testing.assert_close(act(gate_up), TORCH.silu_and_mul(gate_up), rtol=1e-5, atol=1e-5)
+
+
+def test_small_gemms_take_the_skinny_kernel_in_graph_steps_only(monkeypatch):
+    # The CUDA backend's linear, with the kernel replaced by a spy: 1-16 rows of 16-bit inputs
+    # inside graph_gemms() (the graph runner's warm-up and capture) take it, where it wins.
+    from nanopaged.layers import backend
+
+    calls = []
+    monkeypatch.setattr(
+        backend.skinny_gemm, "skinny_linear", lambda x, w, b: calls.append(x.shape[0]) or x
+    )
+    linear = TRITON.linear
+    small = torch.empty(1024, 64, dtype=torch.float16, device="meta")
+    huge = torch.empty(1 << 26, 1, dtype=torch.float16, device="meta")  # 128 MB
+    x = lambda m, dtype=torch.float16, k=64: torch.empty(m, k, dtype=dtype, device="meta")  # noqa: E731
+    linear(x(1), small, None, None)  # eager step: cuBLAS
+    assert calls == []
+    with backend.graph_gemms():
+        linear(x(1), small, None, None)
+        linear(x(16), small, None, None)
+        linear(x(17), small, None, None)  # too many rows
+        linear(x(4, torch.float32), small.float(), None, None)  # fp32 stays exact: cuBLAS
+        linear(x(1, k=1), huge, None, None)  # one row: the kernel at any size
+        linear(x(2, k=1), huge, None, None)  # 2+ rows on a huge weight: cuBLAS
+    assert calls == [1, 16, 1]
+    linear(x(1), small, None, None)  # the block ended
+    assert calls == [1, 16, 1]
