@@ -12,6 +12,9 @@ try:
 except ImportError:  # CPU-only installs use rotary_ref / qk_norm_rotary_ref
     triton = None
 
+# (v, k_cache, v_cache, slot_mapping): where the rotary kernel also stores this step's K/V
+KVStore = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
 
 def rotary_tables_ref(
     cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
@@ -94,6 +97,7 @@ if triton is not None:
         o2 = (f2 * c2).to(dtype).to(tl.float32) + (f1 * s2).to(dtype).to(tl.float32)
         tl.store(out_ptr + h * stride_oh + d, o1.to(dtype), mask=mask)
         tl.store(out_ptr + h * stride_oh + HALF + d, o2.to(dtype), mask=mask)
+        return o1.to(dtype), o2.to(dtype)
 
     @triton.jit
     def _rotary_kernel(
@@ -101,8 +105,9 @@ if triton is not None:
         cos_ptr, sin_ptr, positions_ptr, num_heads, num_kv_heads, inv_head_dim, eps,
         stride_qt, stride_qh, stride_kt, stride_kh,
         stride_oqt, stride_oqh, stride_okt, stride_okh, stride_cos, stride_sin,
+        v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_vt, stride_vh,
         HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV_H: tl.constexpr,
-        BLOCK_HALF: tl.constexpr, APPLY_NORM: tl.constexpr,
+        BLOCK_HALF: tl.constexpr, APPLY_NORM: tl.constexpr, STORE_KV: tl.constexpr,
     ):
         # One program rotates every q and k head of one token: the cos/sin row is read once.
         token = tl.program_id(0).to(tl.int64)
@@ -122,11 +127,26 @@ if triton is not None:
             stride_qh, stride_oqh, num_heads, c1, s1, c2, s2, inv_head_dim, eps,
             HALF, BLOCK_H, BLOCK_HALF, APPLY_NORM,
         )
-        _rotate_heads(
+        k1, k2 = _rotate_heads(
             k_ptr + token * stride_kt, k_out_ptr + token * stride_okt, k_weight_ptr,
             stride_kh, stride_okh, num_kv_heads, c1, s1, c2, s2, inv_head_dim, eps,
             HALF, BLOCK_KV_H, BLOCK_HALF, APPLY_NORM,
         )
+        if STORE_KV:
+            # store_kv's job for this token, while its rotated k is in registers: k and v
+            # into the cache slot (one row of num_kv_heads * head_dim), slot -1 skipped.
+            slot = tl.load(slot_mapping_ptr + token)
+            if slot >= 0:
+                h = tl.arange(0, BLOCK_KV_H)[:, None]
+                mask = (h < num_kv_heads) & dmask
+                row = slot * num_kv_heads * (2 * HALF) + h * (2 * HALF)
+                tl.store(k_cache_ptr + row + d, k1, mask=mask)
+                tl.store(k_cache_ptr + row + HALF + d, k2, mask=mask)
+                v_row = v_ptr + token * stride_vt + h * stride_vh
+                v1 = tl.load(v_row + d, mask=mask, other=0.0)
+                v2 = tl.load(v_row + HALF + d, mask=mask, other=0.0)
+                tl.store(v_cache_ptr + row + d, v1, mask=mask)
+                tl.store(v_cache_ptr + row + HALF + d, v2, mask=mask)
 
 
 def _launch(
@@ -138,6 +158,7 @@ def _launch(
     cos: torch.Tensor,
     sin: torch.Tensor,
     positions: torch.Tensor,
+    store: KVStore | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     assert triton is not None, "rotary kernels need triton; use rotary_ref"
     assert q.dim() == 3 and k.dim() == 3, (q.shape, k.shape)
@@ -161,6 +182,17 @@ def _launch(
         q_weight = k_weight = q  # unread placeholders
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if store is not None:
+        v, k_cache, v_cache, slots = store
+        assert v.shape == k.shape and v.stride(2) == 1 and v.dtype == k.dtype, v.shape
+        assert k_cache.dtype == v_cache.dtype == k.dtype, (k_cache.dtype, k.dtype)
+        assert k_cache.shape == v_cache.shape and k_cache.shape[-2:] == k.shape[1:]
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert slots.shape == (num_tokens,) and slots.dtype == torch.int64, slots.shape
+        assert k_cache.device == v.device == slots.device == q.device
+        store_args = (v, k_cache, v_cache, slots, v.stride(0), v.stride(1))
+    else:
+        store_args = (q, q, q, positions, 0, 0)  # unread placeholders
     if num_tokens == 0:
         return q_out, k_out
     half = head_dim // 2
@@ -169,10 +201,11 @@ def _launch(
         cos, sin, positions, num_heads, num_kv_heads, 1.0 / head_dim, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-        cos.stride(0), sin.stride(0),
+        cos.stride(0), sin.stride(0), *store_args,
         HALF=half, BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_KV_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half), APPLY_NORM=apply_norm,
+        STORE_KV=store is not None,
         num_warps=4,
         # Contracting x * cos + r * sin into an FMA would skip torch's fp32 product rounding.
         enable_fp_fusion=False,
@@ -186,13 +219,17 @@ def apply_rotary(
     cos: torch.Tensor,
     sin: torch.Tensor,
     positions: torch.Tensor,
+    store: KVStore | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim].
 
     q/k may be strided views (e.g. of a packed qkv output) with head_dim innermost; cos/sin are
     [max_position, head_dim] tables. Returns new contiguous tensors; q and k are not modified.
+    store: (v, k_cache, v_cache, slot_mapping) also writes the rotated k and v into the caches
+    at slot_mapping (-1 skips), as store_kv_ref would: one kernel instead of two (16-bit
+    caches of q's dtype only).
     """
-    return _launch(q, k, None, None, 0.0, cos, sin, positions)
+    return _launch(q, k, None, None, 0.0, cos, sin, positions, store)
 
 
 def qk_norm_rotary(
@@ -204,9 +241,10 @@ def qk_norm_rotary(
     cos: torch.Tensor,
     sin: torch.Tensor,
     positions: torch.Tensor,
+    store: KVStore | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3's per-head RMSNorm of q and k (weights [head_dim]) then RoPE, in one kernel.
 
-    Same layouts and return convention as apply_rotary.
+    Same layouts, store and return convention as apply_rotary.
     """
-    return _launch(q, k, q_weight, k_weight, eps, cos, sin, positions)
+    return _launch(q, k, q_weight, k_weight, eps, cos, sin, positions, store)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from nanopaged.kernels import paged_decode, paged_prefill, store_kv
+from nanopaged.kernels.rotary import KVStore
 from nanopaged.layers.backend import UsesBackend
 
 
@@ -59,16 +60,31 @@ class Attention(UsesBackend, nn.Module):
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
 
+    def rotary_store(self, v: torch.Tensor, meta: AttentionMetadata) -> KVStore | None:
+        """What the rotary kernel needs to store this step's K/V itself (one kernel fewer per
+        layer), or None: Triton backends with a 16-bit cache of v's dtype only."""
+        if not self.backend.triton or self.k_cache is None or self.k_cache.dtype != v.dtype:
+            return None
+        return v, self.k_cache, self.v_cache, meta.slot_mapping
+
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        stored: bool = False,
     ) -> torch.Tensor:
-        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
+        # stored: the rotary kernel already wrote k and v into the cache (rotary_store).
         assert self.k_cache is not None, "KV cache not bound"
         k_cache, v_cache = self.k_cache, self.v_cache
         scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         if self.backend.triton:
-            store_kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
+            if not stored:
+                store_kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
             return gpu_attention(q, k, v, k_cache, v_cache, meta, self.scale, **scales)
+        assert not stored, "only the Triton rotary kernel stores K/V"
         self.backend.store_kv(k, v, k_cache, v_cache, meta, **scales)
         if meta.is_decode:
             return self.backend.decode_attention(q, k_cache, v_cache, meta, self.scale, **scales)

@@ -70,12 +70,16 @@ class DecoderAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             out = fused_decode(self.attn, self.rotary, positions, q, k, v, meta)
         else:
+            # Triton: the rotary kernel also stores K/V into a 16-bit cache.
+            store = self.attn.rotary_store(v, meta)
             if self.q_norm is not None:
                 # Triton: one kernel for both per-head norms and the rotation.
-                q, k = self.rotary.forward_with_qk_norm(positions, q, k, self.q_norm, self.k_norm)
+                q, k = self.rotary.forward_with_qk_norm(
+                    positions, q, k, self.q_norm, self.k_norm, store
+                )
             else:
-                q, k = self.rotary(positions, q, k)
-            out = self.attn(q, k, v, meta)
+                q, k = self.rotary(positions, q, k, store)
+            out = self.attn(q, k, v, meta, stored=store is not None)
         # out: [num_tokens, num_heads, head_dim] -> [num_tokens, hidden_size] (this rank's part)
         return self.o_proj(out.reshape(-1, self.q_size))
 

@@ -9,6 +9,7 @@ from kernel_inputs import DEVICE
 from nanopaged.kernels.rms_norm import rms_norm, rms_norm_ref
 from nanopaged.kernels.rotary import apply_rotary, qk_norm_rotary, qk_norm_rotary_ref, rotary_ref
 from nanopaged.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+from nanopaged.kernels.store_kv import store_kv_ref
 from nanopaged.layers.rotary import RotaryEmbedding
 
 CPU_DTYPES = [torch.float32, torch.float16]
@@ -157,6 +158,33 @@ def test_rotary_int32_positions_and_empty():
     positions = torch.empty(0, dtype=torch.int64, device=DEVICE)
     q_out, k_out = apply_rotary(q, k, cos, sin, positions)
     assert q_out.shape == q.shape and k_out.shape == k.shape
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("norm", [False, True])
+def test_rotary_stores_kv_into_the_cache(dtype, norm):
+    # With a store, the rotary kernel also writes the rotated k and v where store_kv_ref
+    # would (slot -1 skipped), and returns the same q and k as without it.
+    num_tokens, num_heads, num_kv_heads, head_dim = 9, 4, 2, 64
+    cos, sin = tables(head_dim)
+    qkv, q, k = packed_qk(num_tokens, num_heads, num_kv_heads, head_dim, dtype, seed=3)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    positions = torch.arange(num_tokens, device=DEVICE) * 7
+    caches = [rand(5, 4, num_kv_heads, head_dim, dtype=dtype, seed=s) for s in (4, 5)]
+    slots = torch.randperm(20, generator=torch.Generator().manual_seed(6))[:num_tokens]
+    slots[[2, 5]] = -1
+    slots = slots.to(DEVICE)
+    expected = [c.clone() for c in caches]
+    if norm:
+        weights = [rand(head_dim, dtype=dtype, seed=s).abs() + 0.5 for s in (7, 8)]
+        plain = qk_norm_rotary(q, k, *weights, EPS, cos, sin, positions)
+        fused = qk_norm_rotary(q, k, *weights, EPS, cos, sin, positions, (v, *caches, slots))
+    else:
+        plain = apply_rotary(q, k, cos, sin, positions)
+        fused = apply_rotary(q, k, cos, sin, positions, (v, *caches, slots))
+    assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])
+    store_kv_ref(plain[1], v, *expected, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
 
 
 # ---------------------------------------------------------------- silu_and_mul
