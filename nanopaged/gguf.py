@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 import xxhash
 
 from nanopaged.gguf_moe import (
@@ -73,13 +74,18 @@ _MLP_NAMES = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": 
 
 # Number of GGUF files converted by this process; tests use it to prove a cache hit.
 CONVERSIONS = 0
+# The weights' dtypes a cache entry may hold.
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def resolve_model(model: str | os.PathLike[str] | None) -> Path:
+def resolve_model(
+    model: str | os.PathLike[str] | None, dtype: torch.dtype | None = None
+) -> Path:
     """An HF-style model directory for `model`: a directory as is, a .gguf file converted (cached),
-    None the embedded SmolLM2-135M-Instruct GGUF."""
+    None the embedded SmolLM2-135M-Instruct GGUF. dtype: the weights' dtype in a converted
+    GGUF's cache entry (float32 when None; see convert_gguf)."""
     if model is None:
-        return convert_gguf(embedded_gguf())
+        return convert_gguf(embedded_gguf(), dtype)
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -89,7 +95,7 @@ def resolve_model(model: str | os.PathLike[str] | None) -> Path:
     if path.is_dir():
         return path
     if _is_gguf(path):
-        return convert_gguf(path)
+        return convert_gguf(path, dtype)
     raise ValueError(f"model {str(path)!r} is neither a directory nor a GGUF file")
 
 
@@ -112,20 +118,37 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
 
 
-def cache_entry(gguf_path: str | os.PathLike[str]) -> Path:
-    """The cache directory a GGUF file converts into (keyed by absolute path, size, mtime)."""
+def _cache_dtype(dtype: torch.dtype | None) -> torch.dtype:
+    dtype = torch.float32 if dtype is None else dtype
+    if dtype not in CACHE_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in CACHE_DTYPES)
+        raise ValueError(f"a GGUF cache entry holds {names} weights, got {dtype}")
+    return dtype
+
+
+def cache_entry(gguf_path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> Path:
+    """The cache directory a GGUF file converts into (keyed by absolute path, size, mtime, and
+    the weights' dtype when it is not float32)."""
     path = Path(gguf_path).resolve()
     stat = path.stat()
     key_text = f"{FORMAT_VERSION}|{path}|{stat.st_size}|{stat.st_mtime_ns}"
-    return cache_root() / "gguf" / f"{path.stem}-{xxhash.xxh64(key_text.encode()).hexdigest()}"
+    dtype = _cache_dtype(dtype)
+    tag = "" if dtype == torch.float32 else f"-{str(dtype).removeprefix('torch.')}"
+    digest = xxhash.xxh64((key_text + tag).encode()).hexdigest()
+    return cache_root() / "gguf" / f"{path.stem}{tag}-{digest}"
 
 
-def convert_gguf(gguf_path: str | os.PathLike[str]) -> Path:
-    """Convert a GGUF file to an HF-style directory in the cache, or return the verified entry."""
+def convert_gguf(gguf_path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> Path:
+    """Convert a GGUF file to an HF-style directory in the cache, or return the verified entry.
+
+    dtype: the weights' dtype in the entry, float32 (default: the dequantized values exactly;
+    what the fp32 parity with HF needs), bfloat16 or float16 (those values rounded once, as a
+    model of that dtype would round them at load; half the disk, and a faster load)."""
     path = Path(gguf_path).resolve()
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
-    entry = cache_entry(path)
+    dtype = _cache_dtype(dtype)
+    entry = cache_entry(path, dtype)
     if entry.exists():
         if verify_entry(entry):
             return entry
@@ -136,7 +159,7 @@ def convert_gguf(gguf_path: str | os.PathLike[str]) -> Path:
     # A unique temp name: a crashed build's leftover is never mistaken for an entry or reused.
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=entry.parent))
     try:
-        _convert_into(path, tmp)
+        _convert_into(path, tmp, dtype)
         _write_manifest(tmp)
         try:
             os.replace(tmp, entry)
@@ -198,11 +221,12 @@ def _write_manifest(folder: Path) -> None:
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
-def _convert_into(path: Path, out: Path) -> None:
-    """Read `path` and write config.json, model.safetensors and the tokenizer into `out`."""
+def _convert_into(path: Path, out: Path, dtype: torch.dtype = torch.float32) -> None:
+    """Read `path` and write config.json, model.safetensors (dtype weights) and the tokenizer
+    into `out`."""
     global CONVERSIONS
     import gguf
-    from safetensors.numpy import save_file
+    from safetensors.torch import save_file
 
     logger.info("converting GGUF %s into %s", path, out)
     CONVERSIONS += 1
@@ -241,7 +265,11 @@ def _convert_into(path: Path, out: Path) -> None:
         for hf_name, hf_w in split_experts(_hf_name(name, arch), w):
             weights[hf_name] = np.ascontiguousarray(hf_w, dtype=np.float32)
     _fill_missing_biases(arch, weights, config)
-    save_file(weights, str(out / WEIGHTS), metadata={"format": "pt"})
+    # Rounded from the fp32 values once, as torch rounds them when a model of dtype loads.
+    # (torch.tensor copies: some arrays are read-only views of the memory-mapped file.)
+    tensors_out = {name: torch.tensor(w).to(dtype) for name, w in weights.items()}
+    save_file(tensors_out, str(out / WEIGHTS), metadata={"format": "pt"})
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     _save_tokenizer(path, meta.get("tokenizer.chat_template"), out)
 

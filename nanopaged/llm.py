@@ -39,14 +39,16 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 
-def _resolve_model_dir(model: str | os.PathLike | None) -> Path:
+def _resolve_model_dir(
+    model: str | os.PathLike | None, gguf_dtype: torch.dtype | None = None
+) -> Path:
     from nanopaged.gguf import resolve_model
 
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise TypeError(
             f"model must be a path (str or os.PathLike) or None, got {type(model).__name__}"
         )
-    return resolve_model(model)
+    return resolve_model(model, gguf_dtype)
 
 
 def _check_engine_args(
@@ -165,7 +167,13 @@ class LLM:
         self.async_scheduling = (
             self.device.type == "cuda" if async_scheduling is None else async_scheduling
         )
-        self.model_dir = _resolve_model_dir(model)
+        # A GGUF converts into a cache entry holding the dtype the model will run in: the
+        # one asked for, else float32 on CPU (exact) and bfloat16 on CUDA, as "auto" picks
+        # for a float32 checkpoint below.
+        gguf_dtype = requested_dtype
+        if gguf_dtype is None:
+            gguf_dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        self.model_dir = _resolve_model_dir(model, gguf_dtype)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         gen_path = resolve_generation_config(generation_config, self.model_dir)
         self._sampling_defaults = load_sampling_defaults(gen_path)

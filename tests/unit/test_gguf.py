@@ -23,6 +23,7 @@ from transformers import (
 )
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+import nanopaged
 from nanopaged import gguf as npg
 
 CHAT_TEMPLATE = (
@@ -241,6 +242,39 @@ def test_second_resolve_uses_cache(
     monkeypatch.setattr(gguf, "GGUFReader", no_reading)
     assert npg.resolve_model(str(path)) == first
     assert npg.CONVERSIONS == conversions
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_entry_per_dtype(tiny_ggufs: dict, cache_dir: Path, dtype: torch.dtype) -> None:
+    # A 16-bit model gets an entry of its own holding the fp32 entry's values rounded once,
+    # in half the bytes; the fp32 entry is untouched, and each is found again in the cache.
+    from safetensors.torch import load_file as load_torch
+
+    path = tiny_ggufs["qwen2"][1]
+    full = npg.resolve_model(path)
+    half = npg.resolve_model(path, dtype)
+    assert half != full and half.parent == full.parent
+    exact, rounded = load_torch(full / npg.WEIGHTS), load_torch(half / npg.WEIGHTS)
+    assert exact.keys() == rounded.keys()
+    for name, w in exact.items():
+        assert w.dtype == torch.float32 and rounded[name].dtype == dtype
+        assert torch.equal(rounded[name], w.to(dtype)), name
+    assert json.loads((half / "config.json").read_text())["torch_dtype"] == str(dtype)[6:]
+    size = (half / npg.WEIGHTS).stat().st_size
+    assert size < 0.6 * (full / npg.WEIGHTS).stat().st_size
+    conversions = npg.CONVERSIONS
+    assert npg.resolve_model(path, dtype) == half and npg.resolve_model(path) == full
+    assert npg.CONVERSIONS == conversions
+    with pytest.raises(ValueError, match="bfloat16"):
+        npg.resolve_model(path, torch.float64)
+
+
+def test_llm_loads_the_entry_of_its_dtype(tiny_ggufs: dict, cache_dir: Path) -> None:
+    path = tiny_ggufs["llama"][1]
+    llm = nanopaged.LLM(str(path), device="cpu", dtype="bfloat16", kv_cache_memory=4 << 20)
+    assert llm.model_dir == npg.cache_entry(path, torch.bfloat16)
+    assert llm.dtype == torch.bfloat16
+    assert nanopaged.LLM(str(path), kv_cache_memory=4 << 20).model_dir == npg.cache_entry(path)
 
 
 def _flip_middle_byte(file: Path) -> None:
