@@ -12,6 +12,7 @@ in a decode step, where the other layers' weights evict it. TB/s = weight bytes 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -23,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sampler_bench import graph_ms  # noqa: E402
 
 from nanopaged.kernels.skinny_gemm import (  # noqa: E402
     SkinnyGemmConfig,
@@ -98,25 +101,10 @@ def graph_us(call, weights: list[torch.Tensor], replays: int = 7) -> float:
     turn (median of replays)."""
     for w in weights[:2]:
         call(w)  # compiles and warms up outside the capture
-    calls = max(MIN_CALLS, len(weights))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        for i in range(calls):
-            call(weights[i % len(weights)])
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(1000 * start.elapsed_time(end) / calls)
-    del graph
-    return statistics.median(times)
+    turn = itertools.cycle(weights)  # each captured call takes the next copy
+    ms = graph_ms(lambda: call(next(turn)), calls=max(MIN_CALLS, len(weights)), replays=replays)
+    assert ms is not None, "the call could not be captured in a CUDA graph"
+    return 1000 * ms
 
 
 def max_rel_err(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyGemmConfig) -> float:

@@ -127,6 +127,25 @@ int np_store_kv(const bf16 *key, int64_t sk, const bf16 *value, int64_t sv, bf16
     return 0;
 }
 
+/* Each of the `group` rows of `len` scores replaced by its softmax, in fp32. */
+static inline void softmax_rows(float *scores, int64_t group, int64_t len) {
+    for (int64_t g = 0; g < group; g++) {
+        float *s = scores + g * len;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < len; t++) m = s[t] > m ? s[t] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; t++) {
+            float e = exp_f32(s[t] - m);
+            s[t] = e;
+            sum += e;
+        }
+        float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < len; t++) s[t] *= inv;
+    }
+}
+
 /* One sequence's KV head for np_paged_decode, any head size: scores of the head's `group`
  * queries (qf, fp32, pre-scaled) against the `len` cached tokens, softmax, then the weighted
  * sum of V into acc, rounded into o. */
@@ -150,21 +169,7 @@ static inline __attribute__((always_inline)) void decode_head(
             }
         }
     }
-    for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * len;
-        float m = -INFINITY;
-        for (int64_t t = 0; t < len; t++) m = s[t] > m ? s[t] : m;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; t++) {
-            float e = exp_f32(s[t] - m);
-            s[t] = e;
-            sum += e;
-        }
-        float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t t = 0; t < len; t++) s[t] *= inv;
-    }
+    softmax_rows(scores, group, len);
     memset(acc, 0, (size_t)(group * dim) * sizeof(float));
     for (int64_t start = 0, j = 0; start < len; start += block_size, j++) {
         int64_t n = len - start < block_size ? len - start : block_size;
@@ -229,6 +234,22 @@ static inline v16f sum16(const v16f *p) {
     return pair_sums(s2[0], s2[1]);
 }
 
+/* Rows [start, start + n) of one KV head of a sequence's cache (K or V) as fp32 vectors, n
+ * <= CHUNK tokens within one block; returns n. */
+static inline __attribute__((always_inline)) int64_t load_chunk(
+    const bf16 *cache, const int32_t *table, int64_t start, int64_t len, int64_t block_size,
+    int64_t row, int64_t kh, int64_t nv, v16f rows[CHUNK][MAX_DIM_VECS]) {
+    int64_t in_block = start % block_size;
+    int64_t n = block_size - in_block;
+    n = n < CHUNK ? n : CHUNK;
+    n = n < len - start ? n : len - start;
+    const bf16 *base =
+        cache + ((int64_t)table[start / block_size] * block_size + in_block) * row + kh * nv * 16;
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t c = 0; c < nv; c++) rows[t][c] = load_bf16x16(base + t * row + c * 16);
+    return n;
+}
+
 /* decode_head for dim a multiple of 16 (nv = dim / 16 vectors), chunks of <= 16 tokens. */
 static inline __attribute__((always_inline)) void decode_head_vec(
     const float *qf, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table,
@@ -238,14 +259,7 @@ static inline __attribute__((always_inline)) void decode_head_vec(
     v16f rows[CHUNK][MAX_DIM_VECS];
     v16f part[CHUNK];
     for (int64_t start = 0; start < len;) {
-        int64_t in_block = start % block_size;
-        int64_t n = block_size - in_block;
-        n = n < CHUNK ? n : CHUNK;
-        n = n < len - start ? n : len - start;
-        const bf16 *kb =
-            k_cache + ((int64_t)table[start / block_size] * block_size + in_block) * row + kh * dim;
-        for (int64_t t = 0; t < n; t++)
-            for (int64_t c = 0; c < nv; c++) rows[t][c] = load_bf16x16(kb + t * row + c * 16);
+        int64_t n = load_chunk(k_cache, table, start, len, block_size, row, kh, nv, rows);
         for (int64_t g = 0; g < group; g++) {
             const float *qg = qf + g * dim;
             for (int64_t t = 0; t < CHUNK; t++) {
@@ -261,31 +275,10 @@ static inline __attribute__((always_inline)) void decode_head_vec(
         }
         start += n;
     }
-    for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * len;
-        float m = -INFINITY;
-        for (int64_t t = 0; t < len; t++) m = s[t] > m ? s[t] : m;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; t++) {
-            float e = exp_f32(s[t] - m);
-            s[t] = e;
-            sum += e;
-        }
-        float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t t = 0; t < len; t++) s[t] *= inv;
-    }
+    softmax_rows(scores, group, len);
     memset(acc, 0, (size_t)(group * dim) * sizeof(float));
     for (int64_t start = 0; start < len;) {
-        int64_t in_block = start % block_size;
-        int64_t n = block_size - in_block;
-        n = n < CHUNK ? n : CHUNK;
-        n = n < len - start ? n : len - start;
-        const bf16 *vb =
-            v_cache + ((int64_t)table[start / block_size] * block_size + in_block) * row + kh * dim;
-        for (int64_t t = 0; t < n; t++)
-            for (int64_t c = 0; c < nv; c++) rows[t][c] = load_bf16x16(vb + t * row + c * 16);
+        int64_t n = load_chunk(v_cache, table, start, len, block_size, row, kh, nv, rows);
         for (int64_t g = 0; g < group; g++) {
             v16f a[MAX_DIM_VECS];
             for (int64_t c = 0; c < nv; c++) a[c] = load_f32x16(acc + g * dim + c * 16);
