@@ -10,7 +10,7 @@ python bench.py --latency [--batch 1 8] [--profile]               decode step ti
 python bench.py --load-format dummy --model-shape llama3-70b --tensor-parallel-size 8
                  random weights of a published shape from its config.json alone, N GPUs
                  (qwen3-30b-a3b: mixture of experts; its roofline counts the experts touched)
-python bench.py --cpu [--rounds N] [--threads T] [--json PATH]    CPU: SmolLM2 against HF
+python bench.py --cpu [--rounds N] [--threads T] [--dtype D] [--json PATH]  CPU: SmolLM2 vs HF
 Without --model, a random Qwen3-0.6B-shaped bf16 model is built offline and cached. On a
 machine without CUDA the workload shrinks (stated in the output) so it finishes in minutes.
 """

@@ -1,6 +1,9 @@
-"""CPU: nanopaged against HF transformers on the embedded SmolLM2-135M (fp32), same process.
+"""CPU: nanopaged against HF transformers on the embedded SmolLM2-135M, same process.
 
-python benchmarks/cpu_bench.py [--rounds N] [--threads T]      (or python bench.py --cpu)
+python benchmarks/cpu_bench.py [--rounds N] [--threads T] [--dtype D]  (or python bench.py --cpu)
+
+Both engines in one dtype: bfloat16 where the CPU multiplies bf16 natively (nanopaged's fast
+CPU mode: prepacked oneDNN GEMMs and its C kernels), else float32 (its exact default).
 
 Three rows, each timed for both engines in every round, the order alternating between rounds,
 reported as medians: 16 prompts x 64 greedy tokens (HF: one batched, left-padded generate),
@@ -55,6 +58,11 @@ def _prompts(tokenizer, round_index: int, count: int) -> list[list[int]]:
 def _long_prompt(round_index: int, vocab: int) -> list[int]:
     gen = torch.Generator().manual_seed(round_index)
     return torch.randint(100, vocab, (LONG_PROMPT,), generator=gen).tolist()
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AMX or AVX-512 BF16), as oneDNN reports."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _hf_generate(model, tokenizer, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -154,10 +162,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads for both")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="weights and activations of both engines")  # fmt: skip
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="weights and activations of both engines (default: bfloat16 on "
+                             "CPUs with native bf16, nanopaged's fast CPU mode; else float32, "
+                             "its exact default)")  # fmt: skip
     args = parser.parse_args(argv)
-    result = run_cpu_bench(args.rounds, args.threads, args.dtype)
+    dtype = args.dtype or ("bfloat16" if native_bf16() else "float32")
+    result = run_cpu_bench(args.rounds, args.threads, dtype)
     print_result(result)
     return result
 
