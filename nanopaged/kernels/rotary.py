@@ -226,8 +226,8 @@ def apply_rotary(
     q/k may be strided views (e.g. of a packed qkv output) with head_dim innermost; cos/sin are
     [max_position, head_dim] tables. Returns new contiguous tensors; q and k are not modified.
     store: (v, k_cache, v_cache, slot_mapping) also writes the rotated k and v into the caches
-    at slot_mapping (-1 skips), as store_kv_ref would: one kernel instead of two (16-bit
-    caches of q's dtype only).
+    at slot_mapping (-1 skips), as store_kv_ref would: one kernel instead of two (caches of
+    q's dtype only, not 8-bit ones).
     """
     return _launch(q, k, None, None, 0.0, cos, sin, positions, store)
 

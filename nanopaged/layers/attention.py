@@ -62,7 +62,7 @@ class Attention(UsesBackend, nn.Module):
 
     def rotary_store(self, v: torch.Tensor, meta: AttentionMetadata) -> KVStore | None:
         """What the rotary kernel needs to store this step's K/V itself (one kernel fewer per
-        layer), or None: Triton backends with a 16-bit cache of v's dtype only."""
+        layer), or None: Triton backends with a cache of v's dtype only (not an 8-bit one)."""
         if not self.backend.triton or self.k_cache is None or self.k_cache.dtype != v.dtype:
             return None
         return v, self.k_cache, self.v_cache, meta.slot_mapping

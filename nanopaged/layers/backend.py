@@ -145,18 +145,18 @@ def _decode_native(q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None)
     )
 
 
-def _rotary_decode_native(attn, rotary, positions, q, k, v, meta) -> torch.Tensor:
+def _rotary_decode_native(attn, rope, positions, q, k, v, meta) -> torch.Tensor:
     k_cache = attn.k_cache
     assert k_cache is not None, "KV cache not bound"
     if not (
         q.dtype == k_cache.dtype == torch.bfloat16
-        and rotary.cos.dtype == torch.float32
+        and rope.cos.dtype == torch.float32
         and positions.dtype == meta.slot_mapping.dtype == torch.int64
     ):
-        q, k = rotary(positions, q, k)
+        q, k = rope(positions, q, k)
         return attn(q, k, v, meta)
     return cpu_native.rotary_decode(
-        q, k, v, positions, rotary.cos, rotary.sin, k_cache, attn.v_cache, meta.slot_mapping,
+        q, k, v, positions, rope.cos, rope.sin, k_cache, attn.v_cache, meta.slot_mapping,
         meta.block_tables, meta.context_lens, attn.scale, meta.max_context_len,
     )  # fmt: skip
 

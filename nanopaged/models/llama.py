@@ -70,7 +70,7 @@ class DecoderAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             out = fused_decode(self.attn, self.rotary, positions, q, k, v, meta)
         else:
-            # Triton: the rotary kernel also stores K/V into a 16-bit cache.
+            # Triton: the rotary kernel also stores K/V into a cache of the model's dtype.
             store = self.attn.rotary_store(v, meta)
             if self.q_norm is not None:
                 # Triton: one kernel for both per-head norms and the rotation.
