@@ -22,6 +22,7 @@ import torch
 
 from nanopaged import LLM, SamplingParams
 from nanopaged.gguf import embedded_gguf
+from nanopaged.layers.cpu_gemm import native_bf16
 
 NEW_TOKENS = 64
 LONG_PROMPT = 3000
@@ -58,11 +59,6 @@ def _prompts(tokenizer, round_index: int, count: int) -> list[list[int]]:
 def _long_prompt(round_index: int, vocab: int) -> list[int]:
     gen = torch.Generator().manual_seed(round_index)
     return torch.randint(100, vocab, (LONG_PROMPT,), generator=gen).tolist()
-
-
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AMX or AVX-512 BF16), as oneDNN reports."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _hf_generate(model, tokenizer, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

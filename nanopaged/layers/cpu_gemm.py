@@ -19,14 +19,18 @@ PACKED_MAX_ROWS = 256
 _PACK_BATCH_HINT = 16
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AMX or AVX-512 BF16), as oneDNN reports."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether weight is a CPU bf16 matrix this CPU multiplies natively in bf16."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        and native_bf16()
     )
 
 
