@@ -266,8 +266,14 @@ def _convert_into(path: Path, out: Path, dtype: torch.dtype = torch.float32) -> 
             weights[hf_name] = np.ascontiguousarray(hf_w, dtype=np.float32)
     _fill_missing_biases(arch, weights, config)
     # Rounded from the fp32 values once, as torch rounds them when a model of dtype loads.
-    # (torch.tensor copies: some arrays are read-only views of the memory-mapped file.)
-    tensors_out = {name: torch.tensor(w).to(dtype) for name, w in weights.items()}
+    # Each array is released as its tensor is made, so the peak is one copy of the weights;
+    # read-only arrays (views of the memory-mapped file) are copied, the others shared.
+    tensors_out = {}
+    for name in list(weights):
+        w = weights.pop(name)
+        tensors_out[name] = (torch.from_numpy(w) if w.flags.writeable else torch.tensor(w)).to(
+            dtype
+        )
     save_file(tensors_out, str(out / WEIGHTS), metadata={"format": "pt"})
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
