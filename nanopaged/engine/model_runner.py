@@ -343,15 +343,17 @@ class ModelRunner:
         return max(0, budget - peak - graph_bytes - not_torch - margin)
 
     def _warm_up_sampler(self) -> None:
-        """Compile the sampler kernel's variants now (Triton specializes on a batch of 1 and on
-        batches that 16 divides), not inside a user's first steps."""
+        """Compile the sampler kernel's three variants now (plain; the sampled tokens'
+        logprobs; top logprobs too), not inside the first steps that ask for them: a compile
+        there stalls every running request. Batch sizes and logprob counts compile none."""
         vocab = self.model_config.vocab_size
-        for rows in (1, 3, 16):
-            logits = torch.zeros(rows, vocab, dtype=self.dtype, device=self.device)
-            self._profile_sampling(logits, num_logprobs=0)
+        logits = torch.zeros(3, vocab, dtype=self.dtype, device=self.device)
+        self._profile_sampling(logits, num_logprobs=0)
+        st = self._profile_sampling(logits, num_logprobs=1)
+        sample(logits, st, need_logprobs=True)
         torch.cuda.synchronize()
 
-    def _profile_sampling(self, logits: torch.Tensor, num_logprobs: int = 20) -> None:
+    def _profile_sampling(self, logits: torch.Tensor, num_logprobs: int = 20) -> SamplingTensors:
         """Run the sampler's most memory-hungry path over logits rows: [rows, vocab]."""
         rows, vocab = logits.shape
         ones = torch.ones(rows, device=self.device)
@@ -367,6 +369,7 @@ class ModelRunner:
         sample(logits, st, num_logprobs=num_logprobs)
         if num_logprobs:
             logits.log_softmax(-1).topk(num_logprobs, dim=-1)
+        return st
 
     # ---- one step ------------------------------------------------------------------------
     def _host_arrays(

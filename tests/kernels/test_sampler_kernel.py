@@ -9,6 +9,7 @@ from kernel_inputs import DEVICE
 from nanopaged.kernels.hash_rng import uniform_ref
 from nanopaged.kernels.sampler import (
     allowed_mask_fused,
+    argmax_fused,
     allowed_mask_ref,
     sample_fused,
     sample_ref,
@@ -152,11 +153,41 @@ def test_tokens_and_logprobs_equal_ref(dtype):
     top, top_ids = raw.topk(5, dim=1)
     torch.testing.assert_close(out.top_logprobs, top)
     assert torch.equal(out.top_token_ids, top_ids)
+    # The count of top logprobs is a runtime argument of one compiled variant: any count.
+    for n in (1, 3, 17):
+        out_n = sample_fused(logits, *filters, seeds, offsets, num_logprobs=n, block=64)
+        assert torch.equal(out_n.token_ids, ref.token_ids)
+        top, top_ids = raw.topk(n, dim=1)
+        torch.testing.assert_close(out_n.top_logprobs, top)
+        assert torch.equal(out_n.top_token_ids, top_ids)
     # Without logprobs: the same tokens, and no logprob made up for them.
     for fn in (sample_fused, sample_ref):
         kw = dict(block=64) if fn is sample_fused else {}
         bare = fn(logits, *filters, seeds, offsets, logprobs=False, **kw)
         assert torch.equal(bare.token_ids, ref.token_ids) and bare.logprobs is None
+
+
+@pytest.mark.parametrize("dtype", [f32, f16, bf16])
+@pytest.mark.parametrize("vocab,block", [(300, 64), (256, 64), (37, 64), (1000, 128)])
+def test_argmax_equals_torch(dtype, vocab, block):
+    """argmax_fused is argmax: the first of tied maxima (within a chunk and across chunks), the
+    first NaN, 0 for a row of -inf, +inf at the last column, strided rows, one row and none."""
+    gen = torch.Generator().manual_seed(vocab)
+    wide = torch.randn(7, vocab + 9, generator=gen).to(dtype)
+    logits = wide[:, :vocab]  # rows strided past the vocabulary
+    logits[1, [3, min(block + 3, vocab - 1), vocab - 1]] = 50.0
+    logits[2, [1, 2]] = 60.0
+    logits[3, [vocab // 2, vocab - 2]] = float("nan")
+    logits[3, 0] = float("inf")
+    logits[4] = float("-inf")
+    logits[5, vocab - 1] = float("inf")
+    logits[6, -1] = float("nan")
+    logits = logits.to(DEVICE)
+    expected = logits.float().cpu().argmax(dim=-1)
+    assert expected[1] == 3 and expected[2] == 1 and expected[4] == 0  # argmax's own rule
+    assert torch.equal(argmax_fused(logits, block=block).cpu(), expected)
+    assert torch.equal(argmax_fused(logits[4:5], block=block).cpu(), expected[4:5])
+    assert argmax_fused(logits[:0], block=block).shape == (0,)
 
 
 # Temperature alone (greedy included): the settings whose rows can be sampled by shards.
