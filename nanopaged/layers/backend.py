@@ -180,6 +180,8 @@ class Backend:
     # (logits, temperatures, top_ks, top_ps, min_ps, seeds, offsets, num_logprobs,
     #  vocab_start, *, logprobs) -> FusedSample
     sample: Callable
+    # logits [batch, vocab] -> logits.argmax(dim=-1) (int64 [batch])
+    argmax: Callable
     # The CPU layers' ops (the Triton layers take fused kernels instead):
     # (x [tokens, heads, dim], cos_t, signed_sin_t) -> rotated x, see kernels/rotary.rotate_ref
     rotate: Callable = rotary.rotate_ref
@@ -200,6 +202,7 @@ TORCH = Backend(
     silu_and_mul=silu_and_mul.silu_and_mul_ref,
     fused_moe=fused_moe.fused_moe_ref,
     sample=sampler.sample_ref,
+    argmax=sampler.argmax_ref,
 )
 
 TRITON = Backend(
@@ -210,6 +213,7 @@ TRITON = Backend(
     silu_and_mul=_silu_and_mul_triton,
     fused_moe=fused_moe.fused_moe,
     sample=sampler.sample_fused,
+    argmax=sampler.argmax_fused,
 )
 
 
@@ -224,6 +228,7 @@ CPU_NATIVE = Backend(
     silu_and_mul=silu_and_mul.silu_and_mul_ref,
     fused_moe=fused_moe.fused_moe_ref,
     sample=sampler.sample_ref,
+    argmax=sampler.argmax_ref,
     rotate=_rotate_native,
     store_kv=_store_kv_native,
     decode_attention=_decode_native,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from nanopaged.kernels.sampler import allowed_mask_ref
-from nanopaged.layers.sampler import ARGMAX_CHUNK, SamplingTensors, greedy_tokens, sample
+from nanopaged.kernels.sampler import ARGMAX_CHUNK
+from nanopaged.layers.sampler import SamplingTensors, greedy_tokens, sample
 
 
 def _st(temps, top_ps=None, top_ks=None, min_ps=None, seeds=None, offsets=None):
