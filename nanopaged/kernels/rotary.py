@@ -69,26 +69,34 @@ def qk_norm_rotary_ref(
 if triton is not None:
 
     @triton.jit
-    def _rotate_heads(
-        x_ptr, out_ptr, weight_ptr, stride_h, stride_oh, num_heads,
-        c1, s1, c2, s2, inv_head_dim, eps,
-        HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-        APPLY_NORM: tl.constexpr,
-    ):
-        # x_ptr/out_ptr point at one token's first head; the row splits into halves x1 | x2.
+    def _load_heads(x_ptr, stride_h, num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                    BLOCK_HALF: tl.constexpr):
+        # One token's heads from x_ptr (its first head), each row split into halves x1 | x2.
         h = tl.arange(0, BLOCK_H)[:, None]
         d = tl.arange(0, BLOCK_HALF)[None, :]
         mask = (h < num_heads) & (d < HALF)
         x1 = tl.load(x_ptr + h * stride_h + d, mask=mask, other=0.0)
         x2 = tl.load(x_ptr + h * stride_h + HALF + d, mask=mask, other=0.0)
-        dtype = x_ptr.dtype.element_ty
+        return x1, x2
+
+    @triton.jit
+    def _rotate_heads(
+        x1, x2, out_ptr, w1, w2, stride_oh, num_heads,
+        c1, s1, c2, s2, inv_head_dim, eps,
+        HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+        APPLY_NORM: tl.constexpr,
+    ):
+        # x1 | x2: the halves of one token's heads (from _load_heads); out_ptr: its first head;
+        # w1 | w2: the norm weight's halves in fp32 (unread without APPLY_NORM).
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_HALF)[None, :]
+        mask = (h < num_heads) & (d < HALF)
+        dtype = x1.dtype
         f1 = x1.to(tl.float32)
         f2 = x2.to(tl.float32)
         if APPLY_NORM:
             mean_sq = (tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) * inv_head_dim
             rstd = tl.rsqrt(mean_sq + eps)[:, None]
-            w1 = tl.load(weight_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)
-            w2 = tl.load(weight_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
             # Same roundings as torch: normed to x's dtype, times weight rounded again.
             f1 = ((f1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
             f2 = ((f2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
@@ -110,8 +118,19 @@ if triton is not None:
         BLOCK_HALF: tl.constexpr, APPLY_NORM: tl.constexpr, STORE_KV: tl.constexpr,
     ):
         # One program rotates every q and k head of one token: the cos/sin row is read once.
+        # Every load this token needs is issued before the first store: at one token per step
+        # the kernel is a chain of memory round trips, and a store ahead of a load would order
+        # them (the pointers may alias), so the latencies overlap instead of adding up.
         token = tl.program_id(0).to(tl.int64)
         pos = tl.load(positions_ptr + token).to(tl.int64)
+        q1, q2 = _load_heads(q_ptr + token * stride_qt, stride_qh, num_heads, HALF, BLOCK_H,
+                             BLOCK_HALF)
+        k1, k2 = _load_heads(k_ptr + token * stride_kt, stride_kh, num_kv_heads, HALF,
+                             BLOCK_KV_H, BLOCK_HALF)
+        if STORE_KV:
+            slot = tl.load(slot_mapping_ptr + token)
+            v1, v2 = _load_heads(v_ptr + token * stride_vt, stride_vh, num_kv_heads, HALF,
+                                 BLOCK_KV_H, BLOCK_HALF)
         d = tl.arange(0, BLOCK_HALF)[None, :]
         dmask = d < HALF
         dtype = q_ptr.dtype.element_ty
@@ -122,29 +141,31 @@ if triton is not None:
         c2 = tl.load(cos_row + HALF + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
         s1 = tl.load(sin_row + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
         s2 = tl.load(sin_row + HALF + d, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+        qw1, qw2, kw1, kw2 = c1, c1, c1, c1
+        if APPLY_NORM:
+            qw1 = tl.load(q_weight_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+            qw2 = tl.load(q_weight_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+            kw1 = tl.load(k_weight_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+            kw2 = tl.load(k_weight_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32)
         _rotate_heads(
-            q_ptr + token * stride_qt, q_out_ptr + token * stride_oqt, q_weight_ptr,
-            stride_qh, stride_oqh, num_heads, c1, s1, c2, s2, inv_head_dim, eps,
+            q1, q2, q_out_ptr + token * stride_oqt, qw1, qw2,
+            stride_oqh, num_heads, c1, s1, c2, s2, inv_head_dim, eps,
             HALF, BLOCK_H, BLOCK_HALF, APPLY_NORM,
         )
         k1, k2 = _rotate_heads(
-            k_ptr + token * stride_kt, k_out_ptr + token * stride_okt, k_weight_ptr,
-            stride_kh, stride_okh, num_kv_heads, c1, s1, c2, s2, inv_head_dim, eps,
+            k1, k2, k_out_ptr + token * stride_okt, kw1, kw2,
+            stride_okh, num_kv_heads, c1, s1, c2, s2, inv_head_dim, eps,
             HALF, BLOCK_KV_H, BLOCK_HALF, APPLY_NORM,
         )
         if STORE_KV:
             # store_kv's job for this token, while its rotated k is in registers: k and v
             # into the cache slot (one row of num_kv_heads * head_dim), slot -1 skipped.
-            slot = tl.load(slot_mapping_ptr + token)
             if slot >= 0:
                 h = tl.arange(0, BLOCK_KV_H)[:, None]
                 mask = (h < num_kv_heads) & dmask
                 row = slot * num_kv_heads * (2 * HALF) + h * (2 * HALF)
                 tl.store(k_cache_ptr + row + d, k1, mask=mask)
                 tl.store(k_cache_ptr + row + HALF + d, k2, mask=mask)
-                v_row = v_ptr + token * stride_vt + h * stride_vh
-                v1 = tl.load(v_row + d, mask=mask, other=0.0)
-                v2 = tl.load(v_row + HALF + d, mask=mask, other=0.0)
                 tl.store(v_cache_ptr + row + d, v1, mask=mask)
                 tl.store(v_cache_ptr + row + HALF + d, v2, mask=mask)
 
