@@ -10,7 +10,7 @@ from nanopaged.distributed.workers import TPWorkers
 from nanopaged.engine.block_manager import BlockManager
 from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.model_runner import ModelRunner, StepHandle
-from nanopaged.engine.output_processor import find_stop_strings
+from nanopaged.engine.output_processor import StopMatcher
 from nanopaged.engine.scheduler import ScheduledBatch, Scheduler
 from nanopaged.engine.sequence import Sequence
 
@@ -57,6 +57,7 @@ class LLMEngine:
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer
+        self.stop_matcher = StopMatcher(tokenizer)
         self.async_scheduling = async_scheduling
         self.workers = workers
 
@@ -137,7 +138,7 @@ class LLMEngine:
         if not watched:
             return []
         finished = []
-        for seq, idx, stop, full in find_stop_strings(watched, self.tokenizer):
+        for seq, idx, stop, full in self.stop_matcher.find(watched):
             p = seq.sampling_params
             seq.text = full[: idx + len(stop)] if p.include_stop_str_in_output else full[:idx]
             if seq.is_finished:  # ended by length or EOS this very step: the string wins

