@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--temperature", type=float, default=0.6, help="0: greedy")
     parser.add_argument("--model-shape", choices=list(bench.SHAPES), default=None)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args(argv)
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLM(str(model_dir), max_model_len=4096, enforce_eager=args.eager,
               tensor_parallel_size=args.tensor_parallel_size, load_format=load_format)  # fmt: skip
     random.seed(0)
-    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=4000)
+    params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=4000)
     s, runner = llm.scheduler, llm.runner
     for _ in range(args.batch):
         s.add(Sequence([random.randint(0, 10000) for _ in range(args.context)], params))
