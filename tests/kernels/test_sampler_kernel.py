@@ -9,8 +9,8 @@ from kernel_inputs import DEVICE
 from nanopaged.kernels.hash_rng import uniform_ref
 from nanopaged.kernels.sampler import (
     allowed_mask_fused,
-    argmax_fused,
     allowed_mask_ref,
+    argmax_fused,
     sample_fused,
     sample_ref,
 )

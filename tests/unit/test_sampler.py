@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from nanopaged.kernels.sampler import allowed_mask_ref
-from nanopaged.kernels.sampler import ARGMAX_CHUNK
+from nanopaged.kernels.sampler import ARGMAX_CHUNK, allowed_mask_ref
 from nanopaged.layers.sampler import SamplingTensors, greedy_tokens, sample
 
 
