@@ -85,18 +85,22 @@ class DecodeGraphs:
         slots: np.ndarray,
         tables: np.ndarray,
         context_lens: np.ndarray,
-        pending: tuple[torch.Tensor, torch.Tensor] | None = None,
+        pending: tuple[torch.Tensor | None, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One decode step for len(input_ids) sequences; returns hidden [batch, hidden_size].
 
-        pending: (rows, token ids) already on the device that overwrite those input ids.
+        pending: (rows, token ids) already on the device that overwrite those input ids; rows
+        None: the token ids are all of them, in order.
         """
         bs = len(input_ids)
         bucket = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
         width = tables.shape[1]
-        self.input_ids[:bs].copy_(torch.from_numpy(input_ids), non_blocking=True)
-        if pending is not None:
-            self.input_ids.index_copy_(0, *pending)
+        if pending is not None and pending[0] is None:
+            self.input_ids[:bs].copy_(pending[1])
+        else:
+            self.input_ids[:bs].copy_(torch.from_numpy(input_ids), non_blocking=True)
+            if pending is not None:
+                self.input_ids.index_copy_(0, *pending)
         self.positions[:bs].copy_(torch.from_numpy(positions), non_blocking=True)
         self.slot_mapping[:bs].copy_(torch.from_numpy(slots), non_blocking=True)
         self.context_lens[:bs].copy_(torch.from_numpy(context_lens), non_blocking=True)

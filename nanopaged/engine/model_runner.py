@@ -115,6 +115,13 @@ class StepHandle:
         return self._logprobs
 
 
+def _is_arange(a: np.ndarray, n: int) -> bool:
+    """Whether a is [0, 1, ..., n - 1]."""
+    if len(a) != n:
+        return False
+    return n == 0 or (a[0] == 0 and a[-1] == n - 1 and bool((a == np.arange(n)).all()))
+
+
 def kv_bytes_per_block(
     model_config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None
 ) -> int:
@@ -572,15 +579,20 @@ class ModelRunner:
                 dict(positions=step.positions, slots=step.slots, tables=step.tables,
                      context_lens=step.context_lens, cu_seqlens_q=step.cu_seqlens_q)
             )  # fmt: skip
-            ids = torch.from_numpy(step.input_ids).to(self.device, non_blocking=True)
-            if pending is not None:
-                ids.index_copy_(0, *pending)
+            if pending is not None and pending[0] is None:
+                ids = pending[1]  # every input id is a pending sample, in its row
+            else:
+                ids = torch.from_numpy(step.input_ids).to(self.device, non_blocking=True)
+                if pending is not None:
+                    ids.index_copy_(0, *pending)
             hidden = self.model(ids, positions, meta)
         if not len(step.logits_indices):
             return None
-        # A plain torch.tensor(..., device=cuda) would wait for the device: copy asynchronously.
-        rows = torch.from_numpy(step.logits_indices).to(self.device, non_blocking=True)
-        hidden = hidden.index_select(0, rows)
+        if not _is_arange(step.logits_indices, len(hidden)):  # else every row samples, in order
+            # A plain torch.tensor(..., device=cuda) would wait for the device: copy
+            # asynchronously.
+            rows = torch.from_numpy(step.logits_indices).to(self.device, non_blocking=True)
+            hidden = hidden.index_select(0, rows)
         if step.samples_sharded:
             local, vocab_start = self.model.compute_local_logits(hidden)
             return sample_shards(local, vocab_start, step.sample_settings, self.tp)
@@ -598,10 +610,23 @@ class ModelRunner:
 
     def _pending_tensors(
         self, step: StepInputs, prev: StepHandle | None
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(input positions, token ids) on the device for the step's pending samples, if any."""
-        if not len(step.pending_dst):
+    ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """(input positions, token ids) on the device for the step's pending samples, if any.
+        Positions are None when every input id is pending and comes from the same row of the
+        previous step's samples (a steady decode): the ids are then a view of those samples,
+        with no index arrays to copy and no gather."""
+        n = len(step.pending_dst)
+        if not n:
             return None
+        if n == len(step.input_ids) and _is_arange(step.pending_dst, n) and _is_arange(
+            step.pending_src, n
+        ):
+            if self.tp.rank == 0:
+                assert prev is not None and prev.tokens is not None
+                values = prev.tokens[:n]
+            else:
+                values = torch.empty(n, dtype=torch.long, device=self.device)
+            return None, self.tp.broadcast(values)
         dst = torch.from_numpy(step.pending_dst).to(self.device, non_blocking=True)
         if self.tp.rank == 0:
             assert prev is not None and prev.tokens is not None
