@@ -198,7 +198,7 @@ def sweep(json_path: str | None) -> None:
         k = torch.randn(batch, 8, length, HEAD_DIM, device="cuda", dtype=dtype)
         k_cache, v_cache, block_tables = paged_copy(k, torch.randn_like(k))
         context_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
-        args = (q, k_cache, v_cache, block_tables, context_lens, HEAD_DIM**-0.5, length)
+        args = (q, k_cache, v_cache, block_tables, context_lens, HEAD_DIM**-0.5)
         timed = []
         for splits in (1, 2, 3, 4, 6, 8, 12, 16, 32):
             if batch >= 128 and splits > 2:

@@ -202,14 +202,19 @@ def check_paged_inputs(
 
 if triton is not None:
 
+    @triton.jit
+    def _split_tokens(context_len, num_splits, BLOCK_N: tl.constexpr):
+        # A sequence's tokens per split: its context cut into num_splits, rounded up to tiles.
+        per_split = (context_len + num_splits - 1) // num_splits
+        return (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+
     # Step-varying table pointers and ints are not specialized (16-byte alignment, multiples
     # of 16): a mixed step's slices and each step's table width would compile new variants.
-    @triton.jit(do_not_specialize=["block_tables_ptr", "context_lens_ptr", "tokens_per_split",
-                                   "stride_bt"])
+    @triton.jit(do_not_specialize=["block_tables_ptr", "context_lens_ptr", "stride_bt"])
     def _paged_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
         out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
-        qk_scale, tokens_per_split,
+        qk_scale,
         stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
         stride_cb, stride_ct, stride_ch,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -227,6 +232,10 @@ if triton is not None:
         seq64 = seq.to(tl.int64)
         context_len = tl.load(context_lens_ptr + seq)
         if SPLIT:
+            # Each sequence spreads its own context over the splits, in whole tiles: a CUDA
+            # graph captured for the longest context still splits a short one finely (one
+            # tile a program rather than a few, and more programs busy).
+            tokens_per_split = _split_tokens(context_len, tl.num_programs(2), BLOCK_N)
             start = split * tokens_per_split
             end = tl.minimum(context_len, start + tokens_per_split)
             if start >= context_len:
@@ -297,11 +306,11 @@ if triton is not None:
             tl.store(out_ptr + seq64 * stride_ob + heads[:, None] * stride_oh + dims[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
-    @triton.jit(do_not_specialize=["context_lens_ptr", "tokens_per_split", "num_splits"])
+    @triton.jit(do_not_specialize=["context_lens_ptr", "num_splits"])
     def _merge_splits_kernel(
         out_ptr, part_out_ptr, part_lse_ptr, context_lens_ptr,
-        tokens_per_split, num_splits, stride_ob, stride_oh,
-        HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+        num_splits, stride_ob, stride_oh,
+        HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         # One program merges one (sequence, head) over its splits by log-sum-exp, in fp32.
         head = tl.program_id(0)
@@ -309,6 +318,7 @@ if triton is not None:
         context_len = tl.load(context_lens_ptr + seq)
         splits = tl.arange(0, SPLITS_PAD)
         dims = tl.arange(0, HEAD_DIM)
+        tokens_per_split = _split_tokens(context_len, num_splits, BLOCK_N)
         valid = (splits < num_splits) & (splits * tokens_per_split < context_len)
         part = (seq.to(tl.int64) * tl.num_programs(0) + head) * num_splits + splits
         lse = tl.load(part_lse_ptr + part, mask=valid, other=float("-inf"))
@@ -355,7 +365,6 @@ def paged_decode_launch(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
-    max_context_len: int,
     num_splits: int,
     block_n: int,
     num_warps: int,
@@ -372,8 +381,6 @@ def paged_decode_launch(
     out = new_output(q, out)
     if batch == 0:
         return out
-    # Splits cover max_context_len in whole tiles; past it, split s >= num_splits never runs.
-    tokens_per_split = -(-max(1, -(-max_context_len // num_splits)) // block_n) * block_n
     split = num_splits > 1
     if split:
         part_out = torch.empty(batch, num_heads, num_splits, head_dim, device=q.device,
@@ -385,7 +392,7 @@ def paged_decode_launch(
     grid = (num_kv_heads, batch, num_splits)
     _paged_decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        k_scale, v_scale, scale * math.log2(math.e), tokens_per_split,
+        k_scale, v_scale, scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
@@ -395,9 +402,10 @@ def paged_decode_launch(
     )
     if split:
         _merge_splits_kernel[(num_heads, batch)](
-            out, part_out, part_lse, context_lens, tokens_per_split, num_splits,
+            out, part_out, part_lse, context_lens, num_splits,
             out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_N=block_n,
+            num_warps=4,
         )
     return out
 
@@ -433,5 +441,5 @@ def paged_decode(
     num_splits = choose_num_splits(batch, num_kv_heads, max_context_len, block_n,
                                    num_sms(q.device))
     return paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale,
-                               max_context_len, num_splits, block_n, num_warps, num_stages,
+                               num_splits, block_n, num_warps, num_stages,
                                k_scale=k_scale, v_scale=v_scale, out=out)

@@ -58,13 +58,16 @@ def test_decode(block_size, group, head_dim, dtype, num_kv_heads):
 
 
 @pytest.mark.parametrize("block_size,group,head_dim,dtype,num_kv_heads", CPU_CASES)
-@pytest.mark.parametrize("num_splits,prefetch", [(1, True), (3, True), (3, False)])
+@pytest.mark.parametrize("num_splits,prefetch", [(1, True), (3, True), (3, False), (7, True),
+                                                 (64, True)])
 def test_decode_small_tiles(block_size, group, head_dim, dtype, num_kv_heads, num_splits,
                             prefetch):
     # 16-token tiles: many loop iterations, tiles smaller than a block, splits inside blocks.
+    # Each sequence spreads its context over the splits: with 64, short contexts fill only
+    # some of them (one tile each), and the merge skips the rest.
     lens = mixed_lens(block_size)
     inputs = make_inputs(lens, block_size, group, head_dim, dtype, num_kv_heads)
-    out = paged_decode_launch(*inputs, 0.1, max(lens), num_splits, 16, 4, 2, prefetch)
+    out = paged_decode_launch(*inputs, 0.1, num_splits, 16, 4, 2, prefetch)
     check(*inputs, out, dtype)
 
 
@@ -73,7 +76,7 @@ def test_decode_empty_context_writes_zeros(num_splits):
     lens = [0, 19, 0, 40]
     q, k_cache, v_cache, block_tables, context_lens = make_inputs(lens, 8, 2, 64, f32, 2)
     poison_allocator(q.numel(), q.dtype)
-    out = paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, 0.1, 40,
+    out = paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, 0.1,
                               num_splits, 16, 4, 2)
     assert torch.equal(out[[0, 2]], torch.zeros_like(out[[0, 2]]))
     ref = paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, 0.1)
