@@ -32,7 +32,7 @@ from nanopaged.kernels.store_kv import is_fp8
 from nanopaged.layers.attention import Attention, AttentionMetadata
 from nanopaged.layers.backend import backend_for, bind_backend
 from nanopaged.layers.cpu_gemm import pack_model
-from nanopaged.layers.sampler import SamplingTensors, sample
+from nanopaged.layers.sampler import SamplingTensors, greedy_tokens, sample
 from nanopaged.loader import load_dummy_weights, load_weights
 from nanopaged.models import build_model
 from nanopaged.models.llama import checkpoint_shapes
@@ -350,14 +350,16 @@ class ModelRunner:
         return max(0, budget - peak - graph_bytes - not_torch - margin)
 
     def _warm_up_sampler(self) -> None:
-        """Compile the sampler kernel's three variants now (plain; the sampled tokens'
-        logprobs; top logprobs too), not inside the first steps that ask for them: a compile
-        there stalls every running request. Batch sizes and logprob counts compile none."""
+        """Compile the sampler kernel's three variants (plain; the sampled tokens' logprobs;
+        top logprobs too) and the greedy argmax now, not inside the first steps that ask for
+        them: a compile there stalls every running request. Batch sizes and logprob counts
+        compile none."""
         vocab = self.model_config.vocab_size
         logits = torch.zeros(3, vocab, dtype=self.dtype, device=self.device)
         self._profile_sampling(logits, num_logprobs=0)
         st = self._profile_sampling(logits, num_logprobs=1)
         sample(logits, st, need_logprobs=True)
+        greedy_tokens(logits)  # all-greedy steps: the argmax kernels
         torch.cuda.synchronize()
 
     def _profile_sampling(self, logits: torch.Tensor, num_logprobs: int = 20) -> SamplingTensors:
