@@ -191,6 +191,13 @@ class SamplingParams:
         )
 
     @property
+    def penalties_need_outputs(self) -> bool:
+        """Penalties with logprobs: the logprobs are the raw distribution's, which a plain
+        step (one logits tensor for the draw and the logprobs) cannot give beside penalized
+        draws, so such a row is sampled on its own path (synchronously)."""
+        return self.has_penalties and self.logprobs is not None
+
+    @property
     def has_logit_controls(self) -> bool:
         """logit_bias, bad_words or allowed_token_ids: the logits change before sampling."""
         return bool(self.logit_bias) or bool(self.bad_words) or self.allowed_token_ids is not None

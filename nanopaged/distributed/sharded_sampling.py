@@ -36,6 +36,8 @@ def can_shard(seqs: list[Sequence]) -> bool:
         p = seq.sampling_params
         if p.logprobs is not None or p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
             return False
+        if p.has_penalties:  # they read the whole row's counts
+            return False
         if seq.num_output_tokens < p.min_tokens:  # its stop tokens are masked this step
             return False
     return True

@@ -58,7 +58,7 @@ class SequenceGroup:
         self.needs_sample_outputs = (
             self.is_beam_search
             or not self.forked
-            or p.has_penalties
+            or p.penalties_need_outputs
             or p.has_logit_controls
         )
 

@@ -20,6 +20,7 @@ from nanopaged.engine.sample_output import SampleOutput, StepLogprobs
 from nanopaged.engine.sampling import (
     mask_early_stops,
     needs_sample_outputs,
+    penalize,
     row_stream,
     sample_sequences,
     sampling_tensors,
@@ -495,9 +496,14 @@ class ModelRunner:
         if step.samples_sharded:  # the ranks sampled their vocabulary shards: token ids
             return StepHandle.copy_to_host(logits)
         sampled_seqs = [seqs[i] for i in range(len(seqs)) if batch.samples(i)]
+        pending = None if prev is None else prev.tokens
         if needs_sample_outputs(sampled_seqs):
-            outputs = sample_sequences(logits.float(), sampled_seqs, eos_token_ids)
+            outputs = sample_sequences(logits.float(), sampled_seqs, eos_token_ids, pending)
             return StepHandle(outputs=outputs)
+        if any(s.sampling_params.has_penalties for s in sampled_seqs):
+            # Penalized rows stay plain (asynchronous): their counts take a pending token
+            # from the previous step's samples on the device.
+            logits = penalize(logits.float(), sampled_seqs, pending)
         mask_early_stops(logits, sampled_seqs, eos_token_ids)
         widths = [s.sampling_params.logprobs for s in sampled_seqs]
         if all(w is None for w in widths):

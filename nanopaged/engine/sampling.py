@@ -16,15 +16,16 @@ from nanopaged.sampling_params import SamplingParams
 
 def needs_sample_outputs(seqs: list[Sequence]) -> bool:
     """Whether any of seqs needs this module rather than one plain token (and its raw
-    logprobs) per row: a fork, a beam, penalties, logit controls, or logprobs while min_tokens
-    masks the row (the plain path would report the masked distribution)."""
+    logprobs) per row: a fork, a beam, logit controls, penalties with logprobs (reported
+    before the penalties), or logprobs while min_tokens masks the row (the plain path would
+    report the masked distribution). Penalties alone stay plain: see penalize's pending."""
     for seq in seqs:
         p = seq.sampling_params
         group = seq.group
         if group is not None:
             if group.needs_sample_outputs:
                 return True
-        elif p.has_penalties or p.has_logit_controls:
+        elif p.penalties_need_outputs or p.has_logit_controls:
             return True
         if p.logprobs is not None and seq.num_output_tokens < p.min_tokens:
             return True
@@ -87,14 +88,29 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
     return counts[:, :vocab]
 
 
-def penalize(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Apply each sequence's presence/frequency/repetition penalties to its row of logits."""
+def penalize(
+    logits: torch.Tensor, seqs: list[Sequence], pending: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Apply each sequence's presence/frequency/repetition penalties to its row of logits.
+
+    pending: the previous step's sampled tokens on the device (asynchronous scheduling): a
+    sequence whose newest token is still there (pending_row) counts it from there, so the
+    counts equal those of a synchronous step.
+    """
     rows = [i for i, s in enumerate(seqs) if s.sampling_params.has_penalties]
     if not rows:
         return logits
     vocab, dev = logits.shape[-1], logits.device
     pen = [seqs[i] for i in rows]
     out_counts = _token_counts([s.output_token_ids for s in pen], vocab, dev)
+    waiting = [(j, s.pending_row) for j, s in enumerate(pen) if s.pending_row is not None]
+    if waiting:
+        assert pending is not None, "a pending token needs the previous step's samples"
+        pairs = torch.from_numpy(np.asarray(waiting, dtype=np.int64)).to(dev, non_blocking=True)
+        tokens = pending.index_select(0, pairs[:, 1])
+        out_counts.index_put_(
+            (pairs[:, 0], tokens), torch.ones_like(tokens, dtype=out_counts.dtype), accumulate=True
+        )
     seen = (_token_counts([s.token_ids[: s.num_prompt_tokens] for s in pen], vocab, dev) > 0) | (
         out_counts > 0
     )
@@ -123,9 +139,13 @@ def mask_early_stops(logits: torch.Tensor, seqs: list[Sequence], eos: set[int]) 
 
 
 def sample_sequences(
-    logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    eos_token_ids: set[int],
+    pending: torch.Tensor | None = None,
 ) -> list[SampleOutput]:
     """One SampleOutput per sequence (one logits row each, logits: [len(seqs), vocab] fp32).
+    pending: the previous step's sampled tokens on the device, for penalize.
 
     A beam gets its 2 * beam_width most likely tokens under the raw distribution. A parent that
     forks into n samples draws n tokens from its row, sample j from its own random stream.
@@ -155,7 +175,7 @@ def sample_sequences(
         return outputs
     row_seqs = [seqs[i] for i in rows]
     sub = logits[torch.tensor(rows, device=dev)] if len(rows) < len(seqs) else logits
-    sub = penalize(apply_logit_controls(sub, row_seqs), row_seqs)
+    sub = penalize(apply_logit_controls(sub, row_seqs), row_seqs, pending)
     if sub is logits:
         sub = logits.clone()
     mask_early_stops(sub, row_seqs, eos_token_ids)

@@ -154,3 +154,42 @@ def test_logprobs_run_ahead_and_equal_sync(model_dir):
         for t, d in zip(tokens, lps):
             assert t in d and len(d) in (p.logprobs, p.logprobs + 1)
             assert sorted(r for _, r in d.values())[: p.logprobs] == list(range(1, p.logprobs + 1))
+
+
+def test_penalties_run_ahead(model_dir):
+    """Presence, frequency and repetition penalties are plain rows: their steps run ahead,
+    counting the token still in flight from the device, and give exactly the synchronous
+    tokens, also when a later request makes a step synchronous (a fork, penalties with
+    logprobs) while penalized rows have a token in flight."""
+    prompts = _prompts(7, seed=5)
+    pen = dict(presence_penalty=0.7, frequency_penalty=0.9, repetition_penalty=1.6)
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **pen),
+        SamplingParams(temperature=0.9, seed=11, max_tokens=30, ignore_eos=True, **pen),
+        SamplingParams(temperature=0.8, seed=12, max_tokens=18, ignore_eos=True,
+                       repetition_penalty=0.7),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, frequency_penalty=-1.5),
+        SamplingParams(temperature=0.9, n=2, seed=13, max_tokens=10, ignore_eos=True, **pen),
+        SamplingParams(temperature=0.7, seed=14, max_tokens=12, ignore_eos=True, logprobs=2,
+                       **pen),
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **pen),
+    ]  # fmt: skip
+    # Three sequences at a time: the later requests join (and fork) while others decode.
+    kw = dict(max_num_seqs=3)
+    _, sync = _run(model_dir, False, prompts, params, **kw)
+    llm, lookahead = _run(model_dir, True, prompts, params, **kw)
+    assert [o.token_ids for o in lookahead] == [o.token_ids for o in sync]
+    # The logprobs row (synchronous, raw logprobs beside penalized draws): the same tokens and
+    # ranks, values within float noise (its batches differ between the two runs).
+    for a, b in zip(lookahead[5].logprobs, sync[5].logprobs, strict=True):
+        assert {t: x.rank for t, x in a.items()} == {t: x.rank for t, x in b.items()}
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    # The penalties did change the tokens (greedy rows against the same rows without them).
+    plain = LLM(str(model_dir), kv_cache_memory=1 << 22).generate(
+        [prompts[0], prompts[3]],
+        [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (24, 20)],
+        use_tqdm=False,
+    )
+    assert [o.outputs[0].token_ids for o in plain] != [sync[0].token_ids, sync[3].token_ids]
+    steps = llm.scheduler.num_steps
+    assert llm.scheduler.num_advanced_steps >= steps // 2, (llm.scheduler.num_advanced_steps, steps)

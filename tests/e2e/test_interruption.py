@@ -154,8 +154,21 @@ def _inject(llm: LLM, monkeypatch, where: str, k: int, exc: type[BaseException])
         wrapper = _fail_on_call(k, exc, llm.block_manager._take_free_block)
         monkeypatch.setattr(llm.block_manager, "_take_free_block", wrapper)
     elif where == "postprocess":  # tokens appended, blocks cached, some sequences finished
-        wrapper = _fail_on_call(k, exc, llm.scheduler.postprocess, after=True)
-        monkeypatch.setattr(llm.scheduler, "postprocess", wrapper)
+        # A step's samples are applied by postprocess, or by commit for a step that ran
+        # ahead (asynchronous scheduling): the k-th of either fails.
+        calls = [0]
+        for name in ("postprocess", "commit"):
+            real = getattr(llm.scheduler, name)
+
+            def applied(*args, _real=real, **kwargs):
+                calls[0] += 1
+                out = _real(*args, **kwargs)
+                if calls[0] == k:
+                    raise exc("injected")
+                return out
+
+            monkeypatch.setattr(llm.scheduler, name, applied)
+        return calls
     elif where == "stop_strings":
         wrapper = _fail_on_call(k, exc, llm.tokenizer.decode)
         monkeypatch.setattr(llm.tokenizer, "decode", wrapper)
