@@ -22,7 +22,9 @@ Every cut-off is a threshold on x found by a search over the values, one pass ov
 step, so nothing is sorted; each step keeps its bounds on actual element values, so the search
 ends on the exact threshold rather than near it. The k-th largest search starts from the k-th
 largest of each lane's two largest values (found in registers after the first pass); the top-p
-search alternates halving with interpolating the mass between its bounds. The searches run on
+search first brackets the cut with passes that sum the mass above four thresholds at once
+(each narrows the bracket five-fold, no per-value bookkeeping), then alternates halving with
+interpolating the mass between its bounds until they meet on a value. The searches run on
 the raw logits (a rounded product with a positive 1 / temperature keeps their order), so the
 kernel can differ from the reference only where two raw values round to one x, or where a
 token's mass sits within fp32 summation error of top_p * Z.
@@ -254,16 +256,65 @@ if triton is not None:
         return _kth_largest(row_ptr, vocab, k, lo, raw_max, (held >= k).to(tl.int32), BLOCK)
 
     @triton.jit
-    def _top_p_cut(row_ptr, vocab, raw_max, scale, keep_from, limit, lo, hi, lo_mass,
+    def _probe_points(lo, hi):
+        # Four thresholds evenly inside (lo, hi).
+        step = (hi - lo) * 0.2
+        return lo + step, lo + 2.0 * step, lo + 3.0 * step, lo + 4.0 * step
+
+    @triton.jit
+    def _mass_probes(row_ptr, vocab, raw_max, scale, keep_from, lo, hi, BLOCK: tl.constexpr):
+        # One pass: the mass of every kept x (>= keep_from) and of the kept x >= each of
+        # _probe_points(lo, hi). Only sums: no tracking of the values next to a threshold.
+        t1, t2, t3, t4 = _probe_points(lo, hi)
+        totals = tl.zeros([BLOCK], tl.float32)
+        m1 = tl.zeros([BLOCK], tl.float32)
+        m2 = tl.zeros([BLOCK], tl.float32)
+        m3 = tl.zeros([BLOCK], tl.float32)
+        m4 = tl.zeros([BLOCK], tl.float32)
+        ahead = _load_block(row_ptr, 0, vocab, BLOCK)
+        for start in range(0, vocab, BLOCK):
+            x = ahead.to(tl.float32)
+            ahead = _load_block(row_ptr, start + BLOCK, vocab, BLOCK)
+            e = tl.where(x >= keep_from, tl.exp2((x - raw_max) * scale), 0.0)
+            totals += e
+            m1 += tl.where(x >= t1, e, 0.0)
+            m2 += tl.where(x >= t2, e, 0.0)
+            m3 += tl.where(x >= t3, e, 0.0)
+            m4 += tl.where(x >= t4, e, 0.0)
+        return tl.sum(totals), tl.sum(m1), tl.sum(m2), tl.sum(m3), tl.sum(m4)
+
+    @triton.jit
+    def _narrow(lo, hi, lo_mass, hi_mass, limit, m1, m2, m3, m4):
+        # The bracket between the last probe whose mass exceeds limit and the first whose mass
+        # does not (masses fall as the thresholds rise).
+        t1, t2, t3, t4 = _probe_points(lo, hi)
+        new_lo, new_lo_mass = lo, lo_mass
+        new_hi, new_hi_mass = hi, hi_mass
+        if m4 > limit:
+            new_lo, new_lo_mass = t4, m4
+        elif m3 > limit:
+            new_lo, new_lo_mass, new_hi, new_hi_mass = t3, m3, t4, m4
+        elif m2 > limit:
+            new_lo, new_lo_mass, new_hi, new_hi_mass = t2, m2, t3, m3
+        elif m1 > limit:
+            new_lo, new_lo_mass, new_hi, new_hi_mass = t1, m1, t2, m2
+        else:
+            new_hi, new_hi_mass = t1, m1
+        return new_lo, new_hi, new_lo_mass, new_hi_mass
+
+    @triton.jit
+    def _top_p_cut(row_ptr, vocab, raw_max, scale, keep_from, limit, lo, hi, lo_mass, hi_mass,
                    BLOCK: tl.constexpr):
-        # The smallest x (>= keep_from) whose strictly-greater mass is <= limit. If the mass of
-        # x >= t exceeds limit, the largest x below t is dropped and so is all beneath it.
-        # The mass of the values next to t (ties included) says whether one of them is the
-        # answer, which ends the search a few passes early. lo_mass: the mass of x >= lo.
-        # Every other pass t is where the mass, taken as linear in x between the bounds (whose
-        # masses each pass learns), meets the limit; the passes between halve (lo, hi], so a
-        # poor interpolation costs at most every second pass.
-        hi_mass = tl.full((), 1.0, tl.float32)  # the largest value's own mass, at least
+        # The smallest x (>= keep_from) whose strictly-greater mass is <= limit, given
+        # lo <= answer <= hi and lo_mass > limit (the mass of x >= lo). Either bound may be a
+        # threshold rather than a value of the row: lo one whose mass exceeds limit, hi one
+        # whose mass (hi_mass) does not, so the answer is a row value in [lo, hi); each pass
+        # moves a bound onto a value of the row. If the mass of x >= t exceeds limit, the
+        # largest x below t is dropped and so is all beneath it. The mass of the values next
+        # to t (ties included) says whether one of them is the answer, which ends the search
+        # a few passes early. Every other pass t is where the mass, taken as linear in x
+        # between the bounds, meets the limit; the passes between halve (lo, hi], so a poor
+        # interpolation costs at most every second pass.
         halve = tl.full((), 1, tl.int32)
         while lo < hi:
             span = lo_mass - hi_mass
@@ -353,9 +404,9 @@ if triton is not None:
     def _sample_row(
         row, logits_ptr, temps_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr, offsets_ptr,
         tokens_ptr, logprobs_ptr, top_vals_ptr, top_ids_ptr, lse_ptr, allowed_ptr, scores_ptr,
-        vocab, stride_row, vocab_start, num_logprobs,
+        vocab, stride_row, vocab_start, num_logprobs, resolution,
         TOP_N: tl.constexpr, LOGPROBS: tl.constexpr, WRITE_ALLOWED: tl.constexpr,
-        BLOCK: tl.constexpr,
+        BLOCK: tl.constexpr, MAX_PROBES: tl.constexpr,
     ):
         # The interpreter's range yields python ints, the compiler's int32 tensors.
         row64 = tl.cast(row, tl.int64)
@@ -405,16 +456,29 @@ if triton is not None:
                 k_cut = k_raw * inv_temp
             top_p = tl.load(top_ps_ptr + row)
             if top_p < 1.0:
-                totals = tl.zeros([BLOCK], tl.float32)
-                ahead = _load_block(row_ptr, 0, vocab, BLOCK)
-                for start in range(0, vocab, BLOCK):
-                    raw = ahead.to(tl.float32)
-                    ahead = _load_block(row_ptr, start + BLOCK, vocab, BLOCK)
-                    totals += tl.where(raw >= k_raw, tl.exp2((raw - raw_max) * scale), 0.0)
-                total = tl.sum(totals)
+                # Passes of four mass probes each shrink the bracket five-fold (the first also
+                # sums the total), until it holds at most about two values of the logits'
+                # dtype (resolution: its relative spacing); the exact search ends it.
                 lo = tl.maximum(k_raw, raw_min)
-                p_raw = _top_p_cut(row_ptr, vocab, raw_max, scale, k_raw, top_p * total, lo,
-                                   raw_max, total, BLOCK)
+                hi = raw_max
+                total, m1, m2, m3, m4 = _mass_probes(row_ptr, vocab, raw_max, scale, k_raw,
+                                                     lo, hi, BLOCK)
+                limit = top_p * total
+                hi_mass = tl.full((), 1.0, tl.float32)  # the largest value's own, at least
+                lo, hi, lo_mass, hi_mass = _narrow(lo, hi, total, hi_mass, limit, m1, m2, m3,
+                                                   m4)
+                # Within a small top-k set the exact search is as quick on its own.
+                max_probes = tl.where((top_k > 0) & (top_k <= 64), 1, MAX_PROBES)
+                probes = 1
+                while (probes < max_probes) & (
+                        hi - lo > resolution * tl.maximum(tl.abs(lo), tl.abs(hi))):
+                    _, m1, m2, m3, m4 = _mass_probes(row_ptr, vocab, raw_max, scale, k_raw, lo,
+                                                     hi, BLOCK)
+                    lo, hi, lo_mass, hi_mass = _narrow(lo, hi, lo_mass, hi_mass, limit, m1, m2,
+                                                       m3, m4)
+                    probes += 1
+                p_raw = _top_p_cut(row_ptr, vocab, raw_max, scale, k_raw, limit, lo, hi,
+                                   lo_mass, hi_mass, BLOCK)
                 p_cut = p_raw * inv_temp
             min_p = tl.load(min_ps_ptr + row)
             if min_p > 0.0:
@@ -500,9 +564,9 @@ if triton is not None:
     def _sample_kernel(
         logits_ptr, temps_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr, offsets_ptr,
         tokens_ptr, logprobs_ptr, top_vals_ptr, top_ids_ptr, lse_ptr, allowed_ptr, scores_ptr,
-        batch, vocab, stride_row, vocab_start, num_logprobs,
+        batch, vocab, stride_row, vocab_start, num_logprobs, resolution,
         TOP_N: tl.constexpr, LOGPROBS: tl.constexpr, WRITE_ALLOWED: tl.constexpr,
-        BLOCK: tl.constexpr,
+        BLOCK: tl.constexpr, MAX_PROBES: tl.constexpr,
     ):
         # A program passes over its row many times. With one program per SM walking the rows,
         # the rows in flight (132 x 300 KB of bf16 at a 152k vocabulary) stay in L2, so only
@@ -512,8 +576,14 @@ if triton is not None:
                 row, logits_ptr, temps_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr,
                 offsets_ptr, tokens_ptr, logprobs_ptr, top_vals_ptr, top_ids_ptr, lse_ptr,
                 allowed_ptr, scores_ptr, vocab, stride_row, vocab_start, num_logprobs,
-                TOP_N, LOGPROBS, WRITE_ALLOWED, BLOCK,
+                resolution, TOP_N, LOGPROBS, WRITE_ALLOWED, BLOCK, MAX_PROBES,
             )
+
+
+# Passes of mass probes at most before the top-p search's exact passes, and the relative spacing
+# of each logits dtype (a bracket narrower than it around its values holds about two of them).
+MAX_PROBES = 6
+_RESOLUTION = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 
 
 def _launch(
@@ -562,8 +632,9 @@ def _launch(
             tokens, token_logprobs, top_vals, top_ids, lse,
             allowed if allowed is not None else tokens,
             scores, batch, vocab, logits.stride(0), vocab_start, num_logprobs,
-            TOP_N=num_logprobs > 0, LOGPROBS=logprobs or num_logprobs > 0,
-            WRITE_ALLOWED=allowed is not None, BLOCK=block,
+            _RESOLUTION[logits.dtype], TOP_N=num_logprobs > 0,
+            LOGPROBS=logprobs or num_logprobs > 0,
+            WRITE_ALLOWED=allowed is not None, BLOCK=block, MAX_PROBES=MAX_PROBES,
             num_warps=num_warps,
         )
     if num_logprobs == 0:

@@ -106,6 +106,35 @@ def test_wide_rows_under_random_settings(dtype):
     torch.testing.assert_close(out.top_logprobs, want.top_logprobs)
 
 
+@pytest.mark.parametrize("dtype", [f32, f16, bf16])
+def test_top_p_bracket_passes(dtype):
+    # The top-p search's probe passes narrow a bracket whose bounds are thresholds, not row
+    # values, until the dtype's spacing (bf16, f16) or the pass limit (f32) stops them. Rows
+    # flat to peaked, one dominant token, a top-k inside and outside the probes' limit, and
+    # p from tiny to almost 1; the kernel's set must be the reference's, and each row must
+    # really cut (more than one token, fewer than all) where p allows.
+    gen = torch.Generator().manual_seed(11)
+    vocab, top_ps = 2500, [1e-6, 0.2, 0.6, 0.9, 0.97, 0.999]
+    rows = []
+    for scale in (0.3, 2.0, 6.0):
+        rows.append(torch.randn(len(top_ps), vocab, generator=gen) * scale)
+    logits = torch.cat(rows)
+    logits[::4, 17] += 25.0  # one token holds almost all of the mass
+    n = logits.shape[0]
+    temps = torch.full((n,), 0.9)
+    top_ks = torch.zeros(n, dtype=torch.int32)
+    top_ks[1::5], top_ks[2::5] = 50, 900  # inside the small-k limit, and above it
+    ps = torch.tensor(top_ps * 3)
+    filters = tuple(t.to(DEVICE) for t in (temps, top_ks, ps, torch.zeros(n)))
+    logits = logits.to(dtype).to(DEVICE)
+    got = allowed_mask_fused(logits, *filters, block=256)
+    ref = allowed_mask_ref(logits, *filters)
+    assert torch.equal(got, ref), (got != ref).sum(dim=1)
+    sizes = ref.sum(dim=1)
+    assert sizes.min() >= 1 and (sizes[ps.to(DEVICE) > 0.5] > 1).any()
+    assert (sizes < vocab).all() and sizes.max() > 500
+
+
 def test_ties_share_their_fate():
     # Logits on a 0.25 grid: many ties at every cut-off; a tied group is kept or dropped whole.
     gen = torch.Generator().manual_seed(2)
