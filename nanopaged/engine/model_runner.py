@@ -16,6 +16,7 @@ from nanopaged.distributed.sharded_sampling import can_shard, sample_shards, set
 from nanopaged.engine.block_tables import BlockTableBuilder
 from nanopaged.engine.cuda_graph import DecodeGraphs
 from nanopaged.engine.host_memory import keep_freed_memory
+from nanopaged.engine.penalty_counts import PenaltyCounts
 from nanopaged.engine.sample_output import SampleOutput, StepLogprobs
 from nanopaged.engine.sampling import (
     mask_early_stops,
@@ -174,6 +175,8 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
         self.block_size = engine_config.block_size
+        # Penalized sequences' token counts, kept on the device across steps (made on first use).
+        self.penalty_counts: PenaltyCounts | None = None
         torch.manual_seed(engine_config.seed)
         if device.type == "cpu":
             keep_freed_memory()  # a CPU step's activations reuse heap blocks, no page faults
@@ -497,13 +500,19 @@ class ModelRunner:
             return StepHandle.copy_to_host(logits)
         sampled_seqs = [seqs[i] for i in range(len(seqs)) if batch.samples(i)]
         pending = None if prev is None else prev.tokens
-        if needs_sample_outputs(sampled_seqs):
-            outputs = sample_sequences(logits.float(), sampled_seqs, eos_token_ids, pending)
-            return StepHandle(outputs=outputs)
+        counts = None
         if any(s.sampling_params.has_penalties for s in sampled_seqs):
+            if self.penalty_counts is None:
+                self.penalty_counts = PenaltyCounts(logits.shape[-1], logits.device)
+            counts = self.penalty_counts
+        if needs_sample_outputs(sampled_seqs):
+            outputs = sample_sequences(logits.float(), sampled_seqs, eos_token_ids, pending,
+                                       counts)  # fmt: skip
+            return StepHandle(outputs=outputs)
+        if counts is not None:
             # Penalized rows stay plain (asynchronous): their counts take a pending token
             # from the previous step's samples on the device.
-            logits = penalize(logits.float(), sampled_seqs, pending)
+            logits = penalize(logits.float(), sampled_seqs, pending, counts)
         mask_early_stops(logits, sampled_seqs, eos_token_ids)
         widths = [s.sampling_params.logprobs for s in sampled_seqs]
         if all(w is None for w in widths):

@@ -3,10 +3,10 @@ penalties, logit controls. Plain steps keep the runner's fast path, which return
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import xxhash
 
+from nanopaged.engine.penalty_counts import PenaltyCounts
 from nanopaged.engine.sample_output import SampleOutput
 from nanopaged.engine.sequence import Sequence
 from nanopaged.layers.sampler import SamplingTensors, apply_penalties, sample
@@ -76,44 +76,27 @@ def row_stream(seq: Sequence, index: int | None = None) -> int:
     return sample_seed(seq.seed, seq.index if index is None else index)
 
 
-def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """counts: [len(token_lists), vocab] int32, occurrences of each token in each list."""
-    width = max(1, max(len(t) for t in token_lists))
-    ids = np.full((len(token_lists), width), vocab, dtype=np.int64)  # vocab = padding column
-    for i, t in enumerate(token_lists):
-        ids[i, : len(t)] = t
-    ids_t = torch.from_numpy(ids).to(device)
-    counts = torch.zeros(len(token_lists), vocab + 1, dtype=torch.int32, device=device)
-    counts.scatter_add_(1, ids_t, torch.ones_like(ids_t, dtype=torch.int32))
-    return counts[:, :vocab]
-
-
 def penalize(
-    logits: torch.Tensor, seqs: list[Sequence], pending: torch.Tensor | None = None
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    pending: torch.Tensor | None = None,
+    counts: PenaltyCounts | None = None,
 ) -> torch.Tensor:
     """Apply each sequence's presence/frequency/repetition penalties to its row of logits.
 
     pending: the previous step's sampled tokens on the device (asynchronous scheduling): a
     sequence whose newest token is still there (pending_row) counts it from there, so the
-    counts equal those of a synchronous step.
+    counts equal those of a synchronous step. counts: the runner's PenaltyCounts, which keeps
+    each sequence's counts on the device from step to step (without it they are built here).
     """
     rows = [i for i, s in enumerate(seqs) if s.sampling_params.has_penalties]
     if not rows:
         return logits
-    vocab, dev = logits.shape[-1], logits.device
+    dev = logits.device
     pen = [seqs[i] for i in rows]
-    out_counts = _token_counts([s.output_token_ids for s in pen], vocab, dev)
-    waiting = [(j, s.pending_row) for j, s in enumerate(pen) if s.pending_row is not None]
-    if waiting:
-        assert pending is not None, "a pending token needs the previous step's samples"
-        pairs = torch.from_numpy(np.asarray(waiting, dtype=np.int64)).to(dev, non_blocking=True)
-        tokens = pending.index_select(0, pairs[:, 1])
-        out_counts.index_put_(
-            (pairs[:, 0], tokens), torch.ones_like(tokens, dtype=out_counts.dtype), accumulate=True
-        )
-    seen = (_token_counts([s.token_ids[: s.num_prompt_tokens] for s in pen], vocab, dev) > 0) | (
-        out_counts > 0
-    )
+    if counts is None:
+        counts = PenaltyCounts(logits.shape[-1], dev)
+    seen, out_counts = counts.seen_and_counts(pen, pending)
     values = torch.tensor(
         [
             [s.sampling_params.presence_penalty for s in pen],
@@ -143,9 +126,11 @@ def sample_sequences(
     seqs: list[Sequence],
     eos_token_ids: set[int],
     pending: torch.Tensor | None = None,
+    penalty_counts: PenaltyCounts | None = None,
 ) -> list[SampleOutput]:
     """One SampleOutput per sequence (one logits row each, logits: [len(seqs), vocab] fp32).
-    pending: the previous step's sampled tokens on the device, for penalize.
+    pending, penalty_counts: the previous step's sampled tokens on the device and the
+    runner's counts, for penalize.
 
     A beam gets its 2 * beam_width most likely tokens under the raw distribution. A parent that
     forks into n samples draws n tokens from its row, sample j from its own random stream.
@@ -175,7 +160,7 @@ def sample_sequences(
         return outputs
     row_seqs = [seqs[i] for i in rows]
     sub = logits[torch.tensor(rows, device=dev)] if len(rows) < len(seqs) else logits
-    sub = penalize(apply_logit_controls(sub, row_seqs), row_seqs, pending)
+    sub = penalize(apply_logit_controls(sub, row_seqs), row_seqs, pending, penalty_counts)
     if sub is logits:
         sub = logits.clone()
     mask_early_stops(sub, row_seqs, eos_token_ids)

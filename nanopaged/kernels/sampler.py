@@ -618,9 +618,12 @@ def _launch(
     lse = torch.empty(batch, dtype=torch.float32, device=dev)
     scores = torch.empty(batch, dtype=torch.float32, device=dev)
     # Twice the slots: the values above the cut, then those tied with it (see the kernel).
-    n = 2 * max(num_logprobs, 1)
-    top_vals = torch.full((batch, n), float("-inf"), dtype=torch.float32, device=dev)
-    top_ids = torch.zeros(batch, n, dtype=torch.int64, device=dev)
+    # Without top logprobs the kernel never touches them: no buffers, no fill kernels.
+    top_vals, top_ids = scores, tokens
+    if num_logprobs:
+        top_vals = torch.full((batch, 2 * num_logprobs), float("-inf"), dtype=torch.float32,
+                              device=dev)  # fmt: skip
+        top_ids = torch.zeros(batch, 2 * num_logprobs, dtype=torch.int64, device=dev)
     if block is None:
         block = min(4096, triton.next_power_of_2(vocab))
     if num_warps is None:
