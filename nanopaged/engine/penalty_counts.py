@@ -61,8 +61,8 @@ class PenaltyCounts:
         waiting: list[tuple[int, int]] = []  # (row, pending_row)
         for seq in seqs:
             entry = self.entries.get(seq.seq_id)
-            outputs = seq.output_token_ids
-            known = len(outputs)
+            # Output tokens the host holds (not sliced out: a step needs only the newest).
+            known = len(seq.token_ids) - seq.num_prompt_tokens
             if entry is None or entry.seq is not seq or not self._trusted(entry, seq, known):
                 if entry is None or entry.seq is not seq:
                     row = self.free.pop() if self.free else self._grow()
@@ -72,7 +72,8 @@ class PenaltyCounts:
                 prompt = seq.token_ids[: seq.num_prompt_tokens]
                 prompt_pairs.append(_pairs(entry.row, prompt))
             if known > entry.counted:
-                out_pairs.append(_pairs(entry.row, outputs[entry.counted :]))
+                start = seq.num_prompt_tokens + entry.counted
+                out_pairs.append(_pairs(entry.row, seq.token_ids[start:]))
             entry.counted, entry.pending_at = known, None
             if seq.pending_row is not None:
                 assert pending is not None, "a pending token needs the previous step's samples"

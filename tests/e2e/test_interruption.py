@@ -10,6 +10,7 @@ a timer thread also interrupts the main thread at arbitrary moments, like Ctrl-C
 from __future__ import annotations
 
 import _thread
+import gc
 import threading
 import time
 
@@ -109,6 +110,7 @@ def _assert_clean(llm: LLM) -> None:
     assert not any(bm.cpu_pool.ref_counts)
     for h, b in bm.hash_to_block.items():  # what stays cached is still consistent
         assert bm.block_hashes[b] == h
+    assert gc.get_freeze_count() == 0  # the heap frozen for the run is the collector's again
 
 
 def _fail_on_call(k: int, exc: type[BaseException], fn, after: bool = False):
@@ -248,3 +250,28 @@ def test_ctrl_c_at_arbitrary_moments(model_dir, expected):
         _assert_clean(llm)
     assert interrupted >= 4
     assert _results(llm) == expected
+
+
+def test_heap_frozen_only_while_generating(model_dir, monkeypatch):
+    # The objects that exist before a run are out of the collector's view during it, and back
+    # after; a program that froze its heap itself keeps its freeze.
+    llm = _llm(model_dir)
+    seen = []
+    launch = model_runner.ModelRunner.launch
+
+    def watched(self, *args, **kwargs):
+        seen.append(gc.get_freeze_count())
+        return launch(self, *args, **kwargs)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "launch", watched)
+    assert gc.get_freeze_count() == 0
+    llm.generate(PROMPTS[:2], PARAMS[:2], use_tqdm=False)
+    assert seen and min(seen) > 0 and gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        seen.clear()
+        llm.generate(PROMPTS[:2], PARAMS[:2], use_tqdm=False)
+        # (The count falls as frozen objects are freed; it would be 0 had the run unfrozen.)
+        assert seen and min(seen) > 0 and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
