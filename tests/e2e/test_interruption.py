@@ -18,7 +18,7 @@ import pytest
 from tiny_models import add_byte_tokenizer, make_tiny_model
 
 from nanopaged import LLM, Logprob, SamplingParams
-from nanopaged.engine import model_runner
+from nanopaged.engine import llm_engine, model_runner
 
 # Tight enough that prefills are chunked and sequences get preempted.
 ENGINE = dict(kv_cache_memory=24 * 8192, max_model_len=128, max_num_batched_tokens=48)
@@ -110,7 +110,7 @@ def _assert_clean(llm: LLM) -> None:
     assert not any(bm.cpu_pool.ref_counts)
     for h, b in bm.hash_to_block.items():  # what stays cached is still consistent
         assert bm.block_hashes[b] == h
-    assert gc.get_freeze_count() == 0  # the heap frozen for the run is the collector's again
+    assert gc.isenabled()  # automatic collection, off while the run lasted, is back
 
 
 def _fail_on_call(k: int, exc: type[BaseException], fn, after: bool = False):
@@ -252,26 +252,34 @@ def test_ctrl_c_at_arbitrary_moments(model_dir, expected):
     assert _results(llm) == expected
 
 
-def test_heap_frozen_only_while_generating(model_dir, monkeypatch):
-    # The objects that exist before a run are out of the collector's view during it, and back
-    # after; a program that froze its heap itself keeps its freeze.
+def test_no_full_collection_while_generating(model_dir, monkeypatch):
+    # Automatic garbage collection is off during a run (young generations collected every
+    # GC_YOUNG_EVERY steps, never a full pass) and back afterwards; a program that turned it
+    # off itself finds it off.
     llm = _llm(model_dir)
-    seen = []
+    monkeypatch.setattr(llm_engine, "GC_YOUNG_EVERY", 2)
+    seen, generations = [], []
     launch = model_runner.ModelRunner.launch
 
     def watched(self, *args, **kwargs):
-        seen.append(gc.get_freeze_count())
+        seen.append(gc.isenabled())
         return launch(self, *args, **kwargs)
 
+    def note(phase, info):
+        if phase == "start":
+            generations.append(info["generation"])
+
     monkeypatch.setattr(model_runner.ModelRunner, "launch", watched)
-    assert gc.get_freeze_count() == 0
-    llm.generate(PROMPTS[:2], PARAMS[:2], use_tqdm=False)
-    assert seen and min(seen) > 0 and gc.get_freeze_count() == 0
-    gc.freeze()
+    gc.callbacks.append(note)
     try:
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        assert seen and not any(seen) and gc.isenabled()
+        assert generations and max(generations) == 1  # young collections only
+        gc.disable()
         seen.clear()
+        generations.clear()
         llm.generate(PROMPTS[:2], PARAMS[:2], use_tqdm=False)
-        # (The count falls as frozen objects are freed; it would be 0 had the run unfrozen.)
-        assert seen and min(seen) > 0 and gc.get_freeze_count() > 0
+        assert seen and not gc.isenabled() and not generations
     finally:
-        gc.unfreeze()
+        gc.callbacks.remove(note)
+        gc.enable()
