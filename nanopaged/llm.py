@@ -16,7 +16,7 @@ from nanopaged.distributed.parallel import check_tp_shapes
 from nanopaged.distributed.workers import TPWorkers, check_device_count
 from nanopaged.engine.block_manager import BlockManager, KVStats
 from nanopaged.engine.group import SequenceGroup
-from nanopaged.engine.llm_engine import LLMEngine
+from nanopaged.engine.llm_engine import LLMEngine, heap_frozen
 from nanopaged.engine.model_runner import ModelRunner, kv_bytes_per_block
 from nanopaged.engine.output_processor import decode_batch
 from nanopaged.engine.prompt_logprobs import compute_prompt_logprobs
@@ -540,16 +540,18 @@ class LLM:
             if p.bad_words:
                 seq.bad_words_token_ids = bad_words_token_ids(p.bad_words, self.tokenizer)
             groups.append(SequenceGroup(seq.request_id, seq))
-        self.engine.run(groups, use_tqdm)
-        decoder = self._token_decoder()
-        outputs = [
-            self._request_output(group, prompt, decoder)
-            for group, prompt in zip(groups, prompt_list)
-        ]
-        for out, prompt_ids, p in zip(outputs, token_lists, params):
-            if p.prompt_logprobs is not None:
-                entries, ranks = compute_prompt_logprobs(self.runner, prompt_ids, p.prompt_logprobs)
-                out.prompt_logprobs = [None, *LazyLogprobs(entries, ranks, decoder)]
+        with heap_frozen():  # the run and its outputs: no full walk of the LLM's own objects
+            self.engine.run(groups, use_tqdm)
+            decoder = self._token_decoder()
+            outputs = [
+                self._request_output(group, prompt, decoder)
+                for group, prompt in zip(groups, prompt_list)
+            ]
+            for out, prompt_ids, p in zip(outputs, token_lists, params):
+                if p.prompt_logprobs is not None:
+                    entries, ranks = compute_prompt_logprobs(self.runner, prompt_ids,
+                                                             p.prompt_logprobs)  # fmt: skip
+                    out.prompt_logprobs = [None, *LazyLogprobs(entries, ranks, decoder)]
         return outputs
 
     def _with_max_tokens(self, p: SamplingParams, prompt_len: int) -> SamplingParams:
@@ -631,7 +633,8 @@ class LLM:
             seq = Sequence(ids, sp, request_id=str(self._request_counter))
             self._request_counter += 1
             groups.append(SequenceGroup(seq.request_id, seq, beam_params=params))
-        self.engine.run(groups, use_tqdm)
+        with heap_frozen():
+            self.engine.run(groups, use_tqdm)
         decoder = self._token_decoder()
         return [
             BeamSearchOutput(

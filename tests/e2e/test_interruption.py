@@ -110,7 +110,8 @@ def _assert_clean(llm: LLM) -> None:
     assert not any(bm.cpu_pool.ref_counts)
     for h, b in bm.hash_to_block.items():  # what stays cached is still consistent
         assert bm.block_hashes[b] == h
-    assert gc.isenabled()  # automatic collection, off while the run lasted, is back
+    # Automatic collection (off while the run lasted) is back, the heap no longer frozen.
+    assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
 def _fail_on_call(k: int, exc: type[BaseException], fn, after: bool = False):
@@ -252,17 +253,18 @@ def test_ctrl_c_at_arbitrary_moments(model_dir, expected):
     assert _results(llm) == expected
 
 
-def test_no_full_collection_while_generating(model_dir, monkeypatch):
-    # Automatic garbage collection is off during a run (young generations collected every
-    # GC_YOUNG_EVERY steps, never a full pass) and back afterwards; a program that turned it
-    # off itself finds it off.
+def test_collector_paused_while_generating(model_dir, monkeypatch):
+    # During a run automatic garbage collection is off (young generations collected every
+    # GC_YOUNG_EVERY steps, never a full pass) and what existed before it is frozen out of the
+    # collector's view; afterwards both are as they were. A program that turned collection off
+    # or froze its heap itself finds them so.
     llm = _llm(model_dir)
     monkeypatch.setattr(llm_engine, "GC_YOUNG_EVERY", 2)
     seen, generations = [], []
     launch = model_runner.ModelRunner.launch
 
     def watched(self, *args, **kwargs):
-        seen.append(gc.isenabled())
+        seen.append((gc.isenabled(), gc.get_freeze_count()))
         return launch(self, *args, **kwargs)
 
     def note(phase, info):
@@ -272,14 +274,20 @@ def test_no_full_collection_while_generating(model_dir, monkeypatch):
     monkeypatch.setattr(model_runner.ModelRunner, "launch", watched)
     gc.callbacks.append(note)
     try:
+        assert gc.get_freeze_count() == 0
         llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-        assert seen and not any(seen) and gc.isenabled()
+        assert seen and not any(enabled for enabled, _ in seen)
+        assert min(frozen for _, frozen in seen) > 0
         assert generations and max(generations) == 1  # young collections only
+        assert gc.isenabled() and gc.get_freeze_count() == 0
         gc.disable()
+        gc.freeze()
         seen.clear()
         generations.clear()
         llm.generate(PROMPTS[:2], PARAMS[:2], use_tqdm=False)
-        assert seen and not gc.isenabled() and not generations
+        # (The freeze count falls as frozen objects are freed; 0 had the run unfrozen them.)
+        assert seen and not gc.isenabled() and not generations and gc.get_freeze_count() > 0
     finally:
         gc.callbacks.remove(note)
+        gc.unfreeze()
         gc.enable()
