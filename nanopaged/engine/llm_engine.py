@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
-from collections.abc import Iterator
 
 from tqdm.auto import tqdm
 
@@ -19,23 +17,6 @@ from nanopaged.engine.sequence import Sequence
 
 # Steps between collections of the garbage collector's young generations during a run.
 GC_YOUNG_EVERY = 64
-
-
-@contextlib.contextmanager
-def heap_frozen() -> Iterator[None]:
-    """Keep every object that exists now out of the garbage collector's view until the block
-    ends (gc.freeze): a full collection inside it walks only what the block made. The model's
-    modules and the tokenizer's tables are hundreds of thousands of objects, which every full
-    collection walked again (0.3-0.5 s each on a 152k vocabulary, in the middle of building a
-    logprobs run's outputs). A program that froze its heap itself keeps its own freeze."""
-    freeze = gc.get_freeze_count() == 0
-    if freeze:
-        gc.freeze()
-    try:
-        yield
-    finally:
-        if freeze:
-            gc.unfreeze()
 
 
 class StepRates:

@@ -101,3 +101,30 @@ def test_kv_budget_from_memory_utilization(qwen3):
     used_fraction = (total - free - slack) / total
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         LLM(str(qwen3), device="cuda", gpu_memory_utilization=max(used_fraction, 1e-4))
+
+
+def test_dropped_llm_frees_its_gpu_memory_without_the_collector(qwen3):
+    # Start-up's objects are frozen out of the garbage collector's view, so a dropped LLM
+    # (CUDA graphs, async scheduling, a sampled and a penalized run) must be freed by
+    # reference counting alone: its KV cache and graphs go at `del`.
+    import gc
+    import weakref
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    llm = LLM(str(qwen3), dtype="bfloat16", device="cuda", kv_cache_memory=1 << 28)
+    assert llm.runner.graphs is not None
+    llm.generate(_prompts(5, seed=1), [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3),
+    ] * 2 + [SamplingParams(n=2, temperature=1.0, max_tokens=8, logprobs=2)], use_tqdm=False)
+    assert torch.cuda.memory_allocated() - base >= 1 << 28
+    refs = [weakref.ref(o) for o in (llm, llm.runner, llm.runner.model, llm.runner.graphs)]
+    gc.disable()
+    try:
+        del llm
+        assert all(r() is None for r in refs), [r() is None for r in refs]
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() - base < 1 << 24
+    finally:
+        gc.enable()
