@@ -9,7 +9,8 @@ import xxhash
 from nanopaged.engine.penalty_counts import PenaltyCounts
 from nanopaged.engine.sample_output import SampleOutput
 from nanopaged.engine.sequence import Sequence
-from nanopaged.layers.sampler import SamplingTensors, apply_penalties, sample
+from nanopaged.layers.backend import backend_for
+from nanopaged.layers.sampler import SamplingTensors, sample
 from nanopaged.logits_processors import apply_logit_controls
 from nanopaged.sampling_params import SamplingParams
 
@@ -96,18 +97,25 @@ def penalize(
     pen = [seqs[i] for i in rows]
     if counts is None:
         counts = PenaltyCounts(logits.shape[-1], dev)
-    seen, out_counts = counts.seen_and_counts(pen, pending)
-    values = torch.tensor(
+    state_rows = counts.update(pen, pending)
+    # [3, n] presence, frequency, repetition; with the row indices: one copy to the device
+    host = torch.tensor(
         [
             [s.sampling_params.presence_penalty for s in pen],
             [s.sampling_params.frequency_penalty for s in pen],
             [s.sampling_params.repetition_penalty for s in pen],
+            rows,
+            state_rows,
         ],
-        dtype=logits.dtype,
-    ).to(dev)
-    idx = torch.tensor(rows, device=dev)
-    logits = logits.clone()
-    logits[idx] = apply_penalties(logits[idx], seen, out_counts, values[0], values[1], values[2])
+        dtype=torch.float64,
+    )
+    if dev.type == "cuda":
+        host = host.pin_memory()
+    both = host.to(dev, non_blocking=True)
+    penalties = both[:3].float()
+    logits = logits.float().clone()
+    backend_for(dev).penalize_rows(logits, both[3].long(), both[4].long(), counts.counts,
+                                   counts.prompt, penalties)  # fmt: skip
     return logits
 
 

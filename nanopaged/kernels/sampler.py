@@ -12,11 +12,10 @@ Semantics, per row of logits [batch, vocab], all in fp32 on x = logits * (1 / te
       logits, settings, seed and offset, never on the batch.
 Logprobs are log_softmax of the logits passed in, before temperature (vLLM's raw logprobs).
 min_tokens is the caller's: it sets a banned stop token's logit to -inf (a -inf token is never
-allowed). Penalties are not fused yet: the caller applies layers.sampler.apply_penalties first,
-and then the logprobs are of the penalized logits, where vLLM's are of the logits before
-penalties. The place to fuse them is a first pass writing the penalized row (output counts
-[batch, vocab] int32, prompt mask [batch, vocab] int8) to a scratch row the searches then read,
-keeping the raw row for the logprobs.
+allowed). Penalties are the caller's too: engine/sampling.penalize applies them first
+(kernels/penalties.py, one pass over the penalized rows), and then the logprobs are of the
+penalized logits, where vLLM's are of the logits before penalties (so penalties with logprobs
+take the synchronous path, which keeps the raw row).
 
 Every cut-off is a threshold on x found by a search over the values, one pass over the row per
 step, so nothing is sorted; each step keeps its bounds on actual element values, so the search

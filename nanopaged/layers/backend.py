@@ -21,6 +21,7 @@ from nanopaged.kernels import (
     cpu_native,
     fused_moe,
     paged_decode,
+    penalties,
     rms_norm,
     rotary,
     sampler,
@@ -182,6 +183,9 @@ class Backend:
     sample: Callable
     # logits [batch, vocab] -> logits.argmax(dim=-1) (int64 [batch])
     argmax: Callable
+    # (logits fp32, rows, state_rows, counts, prompt, penalties [3, n]): penalties in place,
+    # see kernels/penalties.penalize_rows_ref
+    penalize_rows: Callable = penalties.penalize_rows_ref
     # The CPU layers' ops (the Triton layers take fused kernels instead):
     # (x [tokens, heads, dim], cos_t, signed_sin_t) -> rotated x, see kernels/rotary.rotate_ref
     rotate: Callable = rotary.rotate_ref
@@ -214,6 +218,7 @@ TRITON = Backend(
     fused_moe=fused_moe.fused_moe,
     sample=sampler.sample_fused,
     argmax=sampler.argmax_fused,
+    penalize_rows=penalties.penalize_rows,
 )
 
 

@@ -1,4 +1,5 @@
 """Logits -> next tokens: greedy, temperature, top-k, top-p, min-p, seeded noise, logprobs.
+(Penalties: kernels/penalties.py, applied by engine/sampling.penalize.)
 
 One call over all rows: the fused Triton kernel on CUDA, its torch reference on CPU (the same
 function the kernel tests compare against). Random numbers are keyed by (seed, offset) per row,
@@ -45,25 +46,3 @@ def sample(
         return FusedSample(tokens, None, None, None)
     args = (logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, st.seeds, st.offsets)
     return backend_for(logits.device).sample(*args, num_logprobs, logprobs=need_logprobs)
-
-
-def apply_penalties(
-    logits: torch.Tensor,
-    seen: torch.Tensor,
-    output_counts: torch.Tensor,
-    presence: torch.Tensor,
-    frequency: torch.Tensor,
-    repetition: torch.Tensor,
-) -> torch.Tensor:
-    """vLLM's penalties: repetition (prompt + output tokens), then frequency and presence
-    (output tokens only).
-
-    logits: [batch, vocab]; seen: [batch, vocab] bool, in the prompt or the output;
-    output_counts: [batch, vocab], occurrences in the output; presence, frequency, repetition:
-    [batch]. A seen token's logit is divided by repetition when positive, multiplied when not.
-    """
-    rep = repetition[:, None]
-    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    counts = output_counts.to(logits.dtype)
-    logits = logits - frequency[:, None] * counts
-    return logits - presence[:, None] * (counts > 0).to(logits.dtype)

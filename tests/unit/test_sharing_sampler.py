@@ -11,7 +11,7 @@ import torch
 from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.sampling import penalize, sample_sequences
 from nanopaged.engine.sequence import Sequence
-from nanopaged.layers.sampler import apply_penalties
+from nanopaged.kernels.penalties import apply_penalties
 from nanopaged.sampling_params import BeamSearchParams, SamplingParams
 
 VOCAB = 30
