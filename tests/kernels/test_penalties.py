@@ -14,7 +14,6 @@ def _inputs(batch: int, vocab: int, seed: int, width: int | None = None):
     # Rows of a wider buffer (strided), with positive, negative and zero logits.
     buf = torch.randn(batch, width or vocab, generator=gen) * 3
     buf[:, ::11] = 0.0
-    logits = buf[:, :vocab]
     states = batch + 3
     counts = torch.randint(0, 4, (states, vocab), generator=gen, dtype=torch.int32)
     counts[torch.rand(states, vocab, generator=gen) < 0.7] = 0
@@ -30,8 +29,10 @@ def _inputs(batch: int, vocab: int, seed: int, width: int | None = None):
         torch.rand(n, generator=gen) * 1.5 + 0.5,
     ])  # fmt: skip
     penalties[2, 0] = 1.0
+    buf = buf.to(DEVICE)
+    logits = buf[:, :vocab]  # a view of the buffer on the device too
     on = lambda t: t.to(DEVICE)  # noqa: E731
-    return (on(buf), on(logits)), on(rows), on(state_rows), on(counts), on(prompt), on(penalties)
+    return (buf, logits), on(rows), on(state_rows), on(counts), on(prompt), on(penalties)
 
 
 @pytest.mark.parametrize("vocab,block,width", [(1000, 256, None), (300, 128, 320), (64, 64, None)])
