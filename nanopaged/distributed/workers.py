@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
+import weakref
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 
@@ -62,8 +62,9 @@ class TPWorkers:
         self._failed = threading.Event()
         self._closed = False
         self._step_open = False
-        # Set by rank 0's ModelRunner: drops its CUDA graphs, which hold NCCL work.
-        self.before_leave: Callable[[], None] | None = None
+        # Set by rank 0's ModelRunner, a weak reference to its method that drops its CUDA
+        # graphs (they hold NCCL work).
+        self.before_leave: weakref.WeakMethod | None = None
         if self.backend == "nccl":
             # On a collective error NCCL's watchdog would by default kill the whole process,
             # i.e. the caller's: only abort the communicator, so a WorkerError can be raised.
@@ -234,8 +235,9 @@ class TPWorkers:
         if tp is not None and not orderly:
             tp.abort()  # rank 0's queued peer all-reduces must not wait for killed workers
         if orderly:
-            if self.before_leave is not None:
-                self.before_leave()
+            leave = self.before_leave() if self.before_leave is not None else None
+            if leave is not None:
+                leave()
             if tp is not None:
                 tp.release()
             for conn in self.conns:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -252,7 +253,10 @@ class ModelRunner:
         if device.type == "cuda" and self.tp.rank == 0:
             self._warm_up_sampler()
         if workers is not None:
-            workers.before_leave = self.release_graphs
+            # Weakly: a strong reference back to the runner would make the pair a cycle, which
+            # only the garbage collector frees (and the LLM freezes start-up's objects out of
+            # its view), keeping a dropped LLM's KV cache alive.
+            workers.before_leave = weakref.WeakMethod(self.release_graphs)
 
     def release_graphs(self) -> None:
         """Drop the captured decode graphs once the device is idle; under tensor parallelism
