@@ -18,7 +18,7 @@ import weakref
 import pytest
 from tiny_models import add_byte_tokenizer, make_tiny_model
 
-from nanopaged import LLM, Logprob, SamplingParams
+from nanopaged import LLM, BeamSearchParams, Logprob, SamplingParams
 from nanopaged.engine import llm_engine, model_runner
 
 # Tight enough that prefills are chunked and sequences get preempted.
@@ -288,12 +288,20 @@ def test_collector_paused_while_generating(model_dir, monkeypatch):
         gc.enable()
 
 
-def test_dropped_llm_freed_without_the_collector(model_dir):
+@pytest.mark.parametrize(
+    "engine",
+    [{}, dict(preemption_mode="swap", swap_space=0.01), dict(async_scheduling=True),
+     dict(kv_cache_dtype="fp8")],
+    ids=["recompute", "swap", "async", "fp8"],
+)  # fmt: skip
+def test_dropped_llm_freed_without_the_collector(model_dir, engine):
     # Its objects are frozen out of the collector's view, so nothing of a dropped LLM may wait
-    # for a collection: reference counting alone frees it.
-    llm = _llm(model_dir)
+    # for a collection: reference counting alone frees it, after generate and beam search.
+    llm = _llm(model_dir, **engine)
     llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    refs = [weakref.ref(o) for o in (llm, llm.runner, llm.runner.model, llm.engine)]
+    llm.beam_search([{"prompt_token_ids": [5, 6, 7]}], BeamSearchParams(beam_width=2, max_tokens=4))
+    refs = [weakref.ref(o) for o in (llm, llm.runner, llm.runner.model, llm.runner.kv_cache,
+                                     llm.engine, llm.scheduler, llm.block_manager)]  # fmt: skip
     gc.disable()
     try:
         del llm
