@@ -40,17 +40,6 @@ class PenaltyCounts:
         self.free: list[int] = []
         self.num_rebuilt = 0  # rows built from host lists (first sight or distrust)
 
-    def seen_and_counts(
-        self, seqs: list[Sequence], pending: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """For seqs in order: seen [n, vocab] bool (in the prompt or the output) and output
-        counts [n, vocab] int32, each sequence's pending token (its pending_row of `pending`,
-        the previous step's samples on the device) included."""
-        rows = self.update(seqs, pending)
-        idx = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
-        counts = self.counts.index_select(0, idx)
-        return self.prompt.index_select(0, idx) | (counts > 0), counts
-
     def update(self, seqs: list[Sequence], pending: torch.Tensor | None = None) -> list[int]:
         """Bring each sequence's row up to date; returns their rows, in order."""
         self._make_room(seqs)

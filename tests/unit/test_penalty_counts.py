@@ -19,6 +19,13 @@ def _seq(rng: random.Random) -> Sequence:
     return Sequence(prompt, SamplingParams(frequency_penalty=0.5))
 
 
+def _seen_and_counts(state: PenaltyCounts, seqs: list[Sequence], pending=None):
+    """What penalize reads for seqs: seen (prompt or output) and output counts, by row."""
+    rows = torch.tensor(state.update(seqs, pending), dtype=torch.int64)
+    counts = state.counts[rows]
+    return state.prompt[rows] | (counts > 0), counts
+
+
 def _expected(seqs: list[Sequence], pending: torch.Tensor | None):
     """seen and counts from the token lists, each pending token read from `pending`."""
     seen = torch.zeros(len(seqs), VOCAB, dtype=torch.bool)
@@ -76,7 +83,7 @@ def test_counts_kept_across_steps_equal_rebuilt_counts():
             for row, s in enumerate(live):
                 s.pending_row = row + 2 if row % 2 else row
         pending = prev
-        seen, counts = state.seen_and_counts(live, None if sync else pending)
+        seen, counts = _seen_and_counts(state, live, None if sync else pending)
         want_seen, want_counts = _expected(live, pending)
         assert torch.equal(counts, want_counts), step
         assert torch.equal(seen, want_seen), step
@@ -97,17 +104,17 @@ def test_distrusted_rows_rebuild():
     seq.pending_row = 0
     pending = torch.tensor([4])
     for _ in range(2):  # the same step penalized twice counts its pending token once
-        _, counts = state.seen_and_counts([seq], pending)
+        _, counts = _seen_and_counts(state, [seq], pending)
         assert counts[0, 3] == 2 and counts[0, 4] == 1 and counts.sum() == 3
     # The counted token never reached the host, and the next step has a new pending one at
     # the same position.
     pending = torch.tensor([9, 6])
     seq.pending_row = 1
-    _, counts = state.seen_and_counts([seq], pending)
+    _, counts = _seen_and_counts(state, [seq], pending)
     assert counts[0, 3] == 2 and counts[0, 6] == 1 and counts.sum() == 3
     seq.pending_row = None
     seq.token_ids[2:] = [5]  # outputs replaced by a shorter list
-    seen, counts = state.seen_and_counts([seq])
+    seen, counts = _seen_and_counts(state, [seq])
     assert counts[0].tolist() == [1 if t == 5 else 0 for t in range(VOCAB)]
     assert seen[0, [1, 2, 5]].all() and seen[0].sum() == 3
     assert state.num_rebuilt == 4
