@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from nanopaged.kernels.paged_decode import longest_first
 from nanopaged.layers.attention import AttentionMetadata
 from nanopaged.layers.backend import graph_gemms
 
@@ -47,6 +48,8 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        # The decode kernel's launch order: longest context first, then the padding rows.
+        self.decode_order = torch.arange(max_bs, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
@@ -58,6 +61,7 @@ class DecodeGraphs:
             cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
             max_seqlen_q=1,
             max_context_len=self.max_model_len,
+            decode_order=self.decode_order[:bs],
         )
 
     @torch.inference_mode()
@@ -105,8 +109,11 @@ class DecodeGraphs:
         self.slot_mapping[:bs].copy_(torch.from_numpy(slots), non_blocking=True)
         self.context_lens[:bs].copy_(torch.from_numpy(context_lens), non_blocking=True)
         self.block_tables[:bs, :width].copy_(torch.from_numpy(tables), non_blocking=True)
+        order = longest_first(context_lens)
         if bucket > bs:
             self.slot_mapping[bs:bucket].fill_(-1)
             self.context_lens[bs:bucket].fill_(0)
+            order = np.concatenate([order, np.arange(bs, bucket, dtype=np.int32)])
+        self.decode_order[:bucket].copy_(torch.from_numpy(order), non_blocking=True)
         self.graphs[bucket].replay()
         return self.hidden[:bs]

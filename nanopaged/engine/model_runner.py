@@ -31,6 +31,7 @@ from nanopaged.engine.scheduler import ScheduledBatch
 from nanopaged.engine.sequence import Sequence
 from nanopaged.engine.step_inputs import StepInputs
 from nanopaged.engine.swap import allocate_cpu_kv_cache, run_block_ops
+from nanopaged.kernels.paged_decode import longest_first
 from nanopaged.kernels.store_kv import is_fp8
 from nanopaged.layers.attention import Attention, AttentionMetadata
 from nanopaged.layers.backend import backend_for, bind_backend
@@ -441,6 +442,10 @@ class ModelRunner:
         # kernel; the prefill kernel takes the rest with its own cu_seqlens.
         nd = int(np.argmax(q_lens != 1)) if max_seqlen_q > 1 else 0
         cu_prefill = put(cu[nd:] - cu[nd]) if nd else None
+        decodes = len(q_lens) if max_seqlen_q == 1 else nd
+        order = None
+        if self.backend.triton and decodes > 1:
+            order = put(longest_first(context_lens[:decodes]))
         return put(host["positions"]), AttentionMetadata(
             slot_mapping=put(host["slots"]),
             block_tables=put(host["tables"]),
@@ -451,6 +456,7 @@ class ModelRunner:
             has_prefix=bool((context_lens[nd:] != q_lens[nd:]).any()),
             num_decodes=nd,
             cu_seqlens_prefill=cu_prefill,
+            decode_order=order,
         )
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:

@@ -6,6 +6,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -210,9 +211,10 @@ if triton is not None:
 
     # Step-varying table pointers and ints are not specialized (16-byte alignment, multiples
     # of 16): a mixed step's slices and each step's table width would compile new variants.
-    @triton.jit(do_not_specialize=["block_tables_ptr", "context_lens_ptr", "stride_bt"])
+    @triton.jit(do_not_specialize=["block_tables_ptr", "context_lens_ptr", "order_ptr",
+                                   "stride_bt"])
     def _paged_decode_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, order_ptr,
         out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
         qk_scale,
         stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
@@ -220,14 +222,19 @@ if triton is not None:
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
         NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        IS_FP8: tl.constexpr,
+        IS_FP8: tl.constexpr, HAS_ORDER: tl.constexpr,
     ):
         # One program: all GROUP query heads of one KV head of one sequence, over one KV split,
         # so every K/V tile is read once; the group is padded to GROUP_PAD >= 16 dot rows.
         # IS_FP8: K/V tiles are cast up to q's dtype (exact) in registers; k_scale folds into
         # the softmax scale and v_scale into the output, the same product as dequantizing.
+        # HAS_ORDER: the sequences in launch order, longest context first, so the last
+        # programs to start are short ones and no long one runs on alone at the end.
         kv_head = tl.program_id(0)
-        seq = tl.program_id(1)
+        if HAS_ORDER:
+            seq = tl.load(order_ptr + tl.program_id(1))
+        else:
+            seq = tl.program_id(1)
         split = tl.program_id(2)
         seq64 = seq.to(tl.int64)
         context_len = tl.load(context_lens_ptr + seq)
@@ -333,6 +340,14 @@ if triton is not None:
                  out.to(out_ptr.dtype.element_ty))
 
 
+def longest_first(context_lens: np.ndarray) -> np.ndarray:
+    """The order for paged_decode's programs: rows by context length, longest first (ties in
+    row order), [batch] int32. Started in this order, a ragged batch's programs end together:
+    on an H200, 256 sequences of 100-1,700 tokens took 249 -> 233 us, 128 of 600-2,000
+    189 -> 173 us (uniform lengths unchanged)."""
+    return np.argsort(-context_lens.astype(np.int64), kind="stable").astype(np.int32)
+
+
 def decode_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) for the decode kernel (swept on an H200, bf16 D=128)."""
     tile_bytes = head_dim * dtype.itemsize
@@ -373,6 +388,7 @@ def paged_decode_launch(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_decode with every launch choice explicit (tests and the benchmark sweep use it)."""
     batch, num_heads, head_dim = q.shape
@@ -391,14 +407,15 @@ def paged_decode_launch(
         part_out = part_lse = out
     grid = (num_kv_heads, batch, num_splits)
     _paged_decode_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, context_lens,
+        context_lens if order is None else order, out, part_out, part_lse,
         k_scale, v_scale, scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, NUM_STAGES=num_stages,
         PREFETCH=prefetch, DOT_PRECISION=dot_precision(q.dtype), IS_FP8=is_fp8(k_cache.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        HAS_ORDER=order is not None, num_warps=num_warps, num_stages=num_stages,
     )
     if split:
         _merge_splits_kernel[(num_heads, batch)](
@@ -421,6 +438,7 @@ def paged_decode(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over paged K/V; q: [batch, num_heads, head_dim] -> same shape and dtype.
 
@@ -430,7 +448,9 @@ def paged_decode(
     the call can be captured in a CUDA graph. An empty context yields zeros. An fp8 cache
     (e4m3 or e5m2) is dequantized in registers with k_scale / v_scale ([1] fp32 on the device,
     read by the kernel, so graphs see later changes). out: where to write (q's shape and
-    dtype, rows of head_dim contiguous), e.g. a slice of a mixed step's output.
+    dtype, rows of head_dim contiguous), e.g. a slice of a mixed step's output. order: a
+    permutation of the rows ([batch] int32, e.g. longest_first's), the order the sequences'
+    programs start in; the output is the same.
     """
     check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     batch, num_heads, head_dim = q.shape
@@ -442,4 +462,4 @@ def paged_decode(
                                    num_sms(q.device))
     return paged_decode_launch(q, k_cache, v_cache, block_tables, context_lens, scale,
                                num_splits, block_n, num_warps, num_stages,
-                               k_scale=k_scale, v_scale=v_scale, out=out)
+                               k_scale=k_scale, v_scale=v_scale, out=out, order=order)

@@ -31,6 +31,9 @@ class AttentionMetadata:
     # to start at 0). 0: the prefill kernel runs every row.
     num_decodes: int = 0
     cu_seqlens_prefill: torch.Tensor | None = None
+    # The decode rows' launch order for the decode kernel (paged_decode.longest_first), [rows
+    # through the decode kernel] int32, or None (row order).
+    decode_order: torch.Tensor | None = None
     # CPU decode: the gather plan shared by every layer of the step, built by the first.
     decode_plan: paged_decode.DecodePlan | None = None
     # CPU: whether some slot is -1 (a token not to store), found by the first layer.
@@ -112,7 +115,7 @@ def gpu_attention(
     if meta.is_decode:
         return paged_decode.paged_decode(
             q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-            max_context_len=meta.max_context_len, **scales,
+            max_context_len=meta.max_context_len, order=meta.decode_order, **scales,
         )  # fmt: skip
     nd = meta.num_decodes
     out = None
@@ -121,7 +124,8 @@ def gpu_attention(
         out = torch.empty_like(q)
         paged_decode.paged_decode(
             q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd], scale,
-            max_context_len=meta.max_context_len, out=out[:nd], **scales,
+            max_context_len=meta.max_context_len, out=out[:nd], order=meta.decode_order,
+            **scales,
         )  # fmt: skip
         assert meta.cu_seqlens_prefill is not None
         cu_seqlens = meta.cu_seqlens_prefill

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from kernel_inputs import (
@@ -13,7 +14,12 @@ from kernel_inputs import (
     poison_allocator,
 )
 
-from nanopaged.kernels.paged_decode import paged_decode, paged_decode_launch, paged_decode_ref
+from nanopaged.kernels.paged_decode import (
+    longest_first,
+    paged_decode,
+    paged_decode_launch,
+    paged_decode_ref,
+)
 
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -69,6 +75,24 @@ def test_decode_small_tiles(block_size, group, head_dim, dtype, num_kv_heads, nu
     inputs = make_inputs(lens, block_size, group, head_dim, dtype, num_kv_heads)
     out = paged_decode_launch(*inputs, 0.1, num_splits, 16, 4, 2, prefetch)
     check(*inputs, out, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_launch_order_changes_nothing(num_splits):
+    # Programs started longest context first (longest_first's order, ties in row order):
+    # each row's output is what row order gives, bit for bit, split or not.
+    lens = [5, 40, 0, 40, 17, 3 * 16 + 5]
+    inputs = make_inputs(lens, 16, 2, 64, f32, 2)
+    order_np = longest_first(np.array(lens, dtype=np.int32))
+    assert order_np.tolist() == [5, 1, 3, 4, 0, 2] and order_np.dtype == np.int32
+    order = torch.from_numpy(order_np).to(DEVICE)
+    plain = paged_decode_launch(*inputs, 0.1, num_splits, 16, 4, 2)
+    poison_allocator(plain.numel(), plain.dtype)
+    ordered = paged_decode_launch(*inputs, 0.1, num_splits, 16, 4, 2, order=order)
+    assert torch.equal(ordered, plain)
+    check(*inputs, ordered, f32)
+    via_api = paged_decode(*inputs, 0.1, order=order)
+    check(*inputs, via_api, f32)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5])
