@@ -10,11 +10,14 @@ token of a row).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # CPU-only installs use uniform_ref
     triton = None
 
@@ -60,7 +63,57 @@ def uniform_ref(
     return (((h >> 9).float() + 0.5) * 2.0**-23).to(seeds.device)
 
 
+def gumbel_ref(u: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise -log(-log(u)) of uniform u in (0, 1) (the kernels' gumbel, within ~3e-7)."""
+    return -torch.log(-torch.log(u))
+
+
 if triton is not None:
+    # The interpreter has no libdevice: there gumbel's logs are numpy's.
+    INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+    @triton.jit
+    def _fast_log(x):
+        # lg2.approx times ln 2: log2's absolute error is ~2^-22, so the result is relatively
+        # accurate away from x = 1 only.
+        if INTERPRETED:
+            return tl.log(x)
+        else:
+            return libdevice.fast_logf(x)
+
+    @triton.jit
+    def noisy_score(x_raw, inv_temp, u):
+        """x + gumbel(u) with x = x_raw * inv_temp, each rounded on its own (mul.rn, add.rn):
+        no FMA may fold the product or the noise's last product into the sum, so every kernel
+        that draws a token computes the same bits for it (a fused one would differ in the
+        last bit from an unfused one, and a near tie could then go the other way)."""
+        if INTERPRETED:
+            return x_raw * inv_temp + gumbel(u)
+        else:
+            return libdevice.add_rn(libdevice.mul_rn(x_raw, inv_temp), gumbel(u))
+
+    @triton.jit
+    def gumbel(u):
+        """-log(-log(u)) for fp32 u in (0, 1), within ~3e-7 absolute: a compiled logf costs
+        ~30 instructions, and two per token made the sampler's noise pass compute-bound.
+
+        e = -log(u) must be accurate relative to itself (the outer log turns a relative error
+        into an absolute one): below 1/2 the fast log is, above it e comes from the atanh
+        series 2 (s + s^3/3 + ... + s^15/15), s = w / (2 - w) <= 1/3, w = 1 - u (exact)."""
+        w = 1.0 - u
+        s = w / (2.0 - w)
+        s2 = s * s
+        series = 1.0 / 15.0
+        series = series * s2 + 1.0 / 13.0
+        series = series * s2 + 1.0 / 11.0
+        series = series * s2 + 1.0 / 9.0
+        series = series * s2 + 1.0 / 7.0
+        series = series * s2 + 1.0 / 5.0
+        series = series * s2 + 1.0 / 3.0
+        series = series * s2 + 1.0
+        e = tl.where(u < 0.5, -_fast_log(u), 2.0 * s * series)
+        return -_fast_log(e)
+
 
     @triton.jit
     def _mix(h):

@@ -27,6 +27,8 @@ class SamplingTensors:
     seeds: torch.Tensor  # [batch] int64, the row's random stream
     offsets: torch.Tensor  # [batch] int64, the output position being sampled
     all_greedy: bool = False
+    # No row has top-k, top-p or min-p: without logprobs, one pass draws them (sample_fused)
+    all_plain: bool = False
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -45,4 +47,6 @@ def sample(
         tokens = greedy_tokens(logits)
         return FusedSample(tokens, None, None, None)
     args = (logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, st.seeds, st.offsets)
-    return backend_for(logits.device).sample(*args, num_logprobs, logprobs=need_logprobs)
+    return backend_for(logits.device).sample(
+        *args, num_logprobs, logprobs=need_logprobs, plain=st.all_plain
+    )

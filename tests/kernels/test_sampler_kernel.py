@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_inputs import DEVICE
 
-from nanopaged.kernels.hash_rng import uniform_ref
+from nanopaged.kernels.hash_rng import gumbel_ref, uniform_ref
 from nanopaged.kernels.sampler import (
     allowed_mask_fused,
     allowed_mask_ref,
@@ -15,7 +15,23 @@ from nanopaged.kernels.sampler import (
     sample_ref,
 )
 
+try:
+    import triton
+    import triton.language as tl
+
+    from nanopaged.kernels.hash_rng import gumbel
+except ImportError:
+    triton = None
+
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+
+if triton is not None:
+
+    @triton.jit
+    def _noise_kernel(u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        u = tl.load(u_ptr + i, mask=i < n, other=0.5)
+        tl.store(out_ptr + i, gumbel(u), mask=i < n)
 
 # One row per setting: (temperature, top_k, top_p, min_p). Greedy, each filter alone, pairs,
 # all together, and "off" spelled every way (k <= 0, k >= vocab, p = 1, min_p = 0).
@@ -238,19 +254,59 @@ def test_vocabulary_shards_give_the_full_rows_token(dtype, cuts):
     full_ref = sample_ref(logits, *filters, seeds, offsets)
     assert torch.equal(full.token_ids, full_ref.token_ids) and full.token_ids[-1] == 10
     torch.testing.assert_close(full.scores, full_ref.scores)
-    for fused in (True, False):
+    for how in ("fused", "plain", "ref"):
         scores, tokens = [], []
         for a, b in zip(cuts, cuts[1:]):
             shard = logits[:, a:b]  # strided rows, as a rank's slice of the LM head output
-            if fused:
-                out = sample_fused(shard, *filters, seeds, offsets, vocab_start=a, block=64)
-            else:
+            if how == "ref":
                 out = sample_ref(shard, *filters, seeds, offsets, vocab_start=a)
+            else:
+                out = sample_fused(shard, *filters, seeds, offsets, vocab_start=a, block=64,
+                                   logprobs=how == "fused", plain=how == "plain")
             scores.append(out.scores)
             tokens.append(out.token_ids + a)
         got = pick_across_shards(torch.stack(scores), torch.stack(tokens))
-        assert torch.equal(got, full.token_ids), fused
-        assert torch.equal(torch.stack(scores).amax(dim=0), (full if fused else full_ref).scores)
+        assert torch.equal(got, full.token_ids), how
+        want = full_ref.scores if how == "ref" else full.scores
+        assert torch.equal(torch.stack(scores).amax(dim=0), want), how
+
+
+@pytest.mark.parametrize("dtype", [f32, f16, bf16])
+@pytest.mark.parametrize("vocab,block", [(300, 64), (64, 64), (37, 128), (1000, 128)])
+def test_plain_rows_drawn_in_chunks(dtype, vocab, block):
+    # plain=True (no row filters, no logprobs) draws each row in chunks side by side: the
+    # full kernel's tokens and scores exactly, and the reference's tokens, whatever the chunk
+    # boundaries; with greedy rows (first maximum, a tie across chunks), -inf tokens, a row
+    # all -inf, strided rows.
+    gen = torch.Generator().manual_seed(vocab)
+    rows = len(PLAIN) + 2
+    wide = (torch.randn(rows, vocab + 3, generator=gen) * 3).to(dtype).to(DEVICE)
+    logits = wide[:, :vocab]
+    logits[0, vocab // 3] = logits[0, vocab - 1] = logits[0].max() + 1
+    logits[2, ::3] = float("-inf")
+    logits[-1] = float("-inf")
+    settings = [*PLAIN, (0.9, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0)]
+    filters = settings_tensors(settings)
+    seeds, offsets = keys(rows)
+    got = sample_fused(logits, *filters, seeds, offsets, block=block, logprobs=False,
+                       plain=True)
+    assert got.logprobs is None
+    full = sample_fused(logits, *filters, seeds, offsets, block=block)
+    ref = sample_ref(logits, *filters, seeds, offsets)
+    assert torch.equal(got.token_ids, full.token_ids)
+    assert torch.equal(got.scores, full.scores)
+    assert torch.equal(got.token_ids, ref.token_ids)
+    torch.testing.assert_close(got.scores, ref.scores)
+    assert got.token_ids[0] == vocab // 3 and got.token_ids[-1] == 0
+    # The noise moves the draws: over a few output positions a sampled row takes several
+    # tokens, a greedy row one.
+    draws = torch.stack([
+        sample_fused(logits, *filters, seeds, offsets + i, block=block, logprobs=False,
+                     plain=True).token_ids
+        for i in range(6)
+    ])  # fmt: skip
+    distinct = torch.tensor([len(set(col.tolist())) for col in draws.T])
+    assert distinct[0] == distinct[len(PLAIN) - 1] == 1 and distinct.max() > 1
 
 
 def test_rows_independent_and_reproducible():
@@ -269,6 +325,28 @@ def test_rows_independent_and_reproducible():
                          block=64).token_ids
     assert alone.item() == batch[1].item() == mixed[1].item()
     assert torch.equal(mixed[perm], batch)
+
+
+def test_gumbel_noise_is_accurate():
+    # The kernels' noise -log(-log(u)) over the hash's own grid of u ((k + 1/2) 2^-23): the
+    # smallest and largest u, both sides of 1/2 (where it switches from the log to the atanh
+    # series) and a random sample, against float64.
+    if triton is None:
+        pytest.skip("needs triton")
+    gen = torch.Generator().manual_seed(0)
+    top = 2**23
+    k = torch.cat([torch.arange(2000), torch.arange(top - 2000, top),
+                   torch.arange(top // 2 - 2000, top // 2 + 2000),
+                   torch.randint(0, top, (50_000,), generator=gen)])  # fmt: skip
+    u = (k.double() + 0.5) * 2.0**-23
+    exact = -torch.log(-torch.log(u))
+    u32 = u.float().to(DEVICE)
+    got = torch.empty_like(u32)
+    _noise_kernel[(triton.cdiv(len(k), 1024),)](u32, got, len(k), BLOCK=1024)
+    err = (got.double().cpu() - exact).abs()
+    bound = 4e-7 + 2.0**-22 * exact.abs()  # a few ulps of fp32 results up to 16.6
+    assert (err <= bound).all(), (err.max().item(), u[err.argmax()].item())
+    assert (gumbel_ref(u.float()).double() - exact).abs().le(bound).all()
 
 
 def test_noise_depends_on_seed_and_offset_only():
