@@ -134,7 +134,7 @@ class LLM:
         device: str | torch.device = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
+        max_num_batched_tokens: int = 16384,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         kv_cache_memory: int | None = None,
