@@ -28,11 +28,14 @@ _PROMPT_FORMS = (
 
 
 def _is_token_ids(p: object) -> bool:
-    return (
-        isinstance(p, SequenceABC)
-        and not isinstance(p, str)
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-    )
+    if not isinstance(p, SequenceABC) or isinstance(p, str):
+        return False
+    # Plain ints (the usual case) by their types alone, in C: an element at a time in Python
+    # took ~40 ms for the bench's 143k prompt tokens, inside the timed generate.
+    types = set(map(type, p))
+    if types <= {int}:
+        return True
+    return all(issubclass(t, int) and not issubclass(t, bool) for t in types)
 
 
 def _unwrap(p: object, index: int) -> PromptType:
