@@ -73,7 +73,7 @@ def sample_shards(
     if local_logits.shape[1]:
         out = backend_for(device).sample(
             local_logits, temperatures, zeros, ones, ones - 1, s[1], s[2], 0, vocab_start,
-            logprobs=False, plain=True,
+            logprobs=False, plain=True, min_p=False,
         )
         scores, token_ids = out.scores, out.token_ids + vocab_start
     else:  # a rank whose slice is all padding (a vocabulary smaller than the rank count)

@@ -69,7 +69,8 @@ def sampling_tensors(
         seeds=ints[1],
         offsets=ints[2],
         all_greedy=all(p.greedy for p in params),
-        all_plain=all(p.top_k == -1 and p.top_p == 1.0 and p.min_p == 0.0 for p in params),
+        all_plain=all(p.top_k == -1 and p.top_p == 1.0 for p in params),
+        any_min_p=any(p.min_p > 0.0 for p in params),
     )
 
 

@@ -82,15 +82,24 @@ if triton is not None:
             return libdevice.fast_logf(x)
 
     @triton.jit
-    def noisy_score(x_raw, inv_temp, u):
-        """x + gumbel(u) with x = x_raw * inv_temp, each rounded on its own (mul.rn, add.rn):
-        no FMA may fold the product or the noise's last product into the sum, so every kernel
-        that draws a token computes the same bits for it (a fused one would differ in the
-        last bit from an unfused one, and a near tie could then go the other way)."""
+    def scaled(x_raw, inv_temp):
+        """x_raw * inv_temp rounded on its own (mul.rn): no FMA may fold it into a sum or
+        difference that follows, so every kernel that filters or draws a token computes the
+        same bits for it (a fused product differs in the last bit from an unfused one, and
+        a near tie or a token at a cut-off could then go the other way)."""
         if INTERPRETED:
-            return x_raw * inv_temp + gumbel(u)
+            return x_raw * inv_temp
         else:
-            return libdevice.add_rn(libdevice.mul_rn(x_raw, inv_temp), gumbel(u))
+            return libdevice.mul_rn(x_raw, inv_temp)
+
+    @triton.jit
+    def noisy_score(x, u):
+        """x + gumbel(u), the sum rounded on its own (add.rn) for the same reason as scaled:
+        x from scaled."""
+        if INTERPRETED:
+            return x + gumbel(u)
+        else:
+            return libdevice.add_rn(x, gumbel(u))
 
     @triton.jit
     def gumbel(u):

@@ -42,7 +42,7 @@ try:
     import triton
     import triton.language as tl
 
-    from nanopaged.kernels.hash_rng import noisy_score, row_keys, uniform
+    from nanopaged.kernels.hash_rng import noisy_score, row_keys, scaled, uniform
 except ImportError:  # CPU-only installs use sample_ref
     triton = None
 
@@ -140,9 +140,10 @@ def sample_ref(
     *,
     logprobs: bool = True,
     plain: bool = False,
+    min_p: bool = True,
 ) -> FusedSample:
-    """Torch reference of sample_fused (same arguments, same tokens and scores; plain, a
-    promise that no row filters, changes nothing here)."""
+    """Torch reference of sample_fused (same arguments, same tokens and scores; plain and
+    min_p, promises about the rows' filters, change nothing here)."""
     raw = logits.float()
     greedy = raw.argmax(dim=1)
     scores = raw.gather(1, greedy[:, None])[:, 0]
@@ -389,14 +390,47 @@ if triton is not None:
         tl.store(vals_ptr + out, best)
         tl.store(idx_ptr + out, first)
 
-    @triton.jit(do_not_specialize=["temps_ptr", "seeds_ptr", "offsets_ptr", "vocab_start"])
-    def _draw_chunks_kernel(logits_ptr, temps_ptr, seeds_ptr, offsets_ptr, vals_ptr, idx_ptr,
-                            vocab, stride_row, vocab_start, BLOCK: tl.constexpr):
-        # Program (row, chunk) of a row with no top-k, top-p or min-p: the chunk's best score
-        # and its first index, the score computed as _sample_row's last pass does (x + noise
-        # over the finite x, x = raw * (1 / temperature)), or a greedy row's raw maximum as
-        # _argmax_chunks_kernel finds it. One pass, chunks side by side: no row waits on one
-        # program's walk through its whole vocabulary.
+    @triton.jit
+    def _chunk_stats_kernel(logits_ptr, maxes_ptr, sums_ptr, top_vals_ptr, top_ids_ptr, vocab,
+                            stride_row, num_logprobs, BLOCK: tl.constexpr, SUMS: tl.constexpr,
+                            TOP_N: tl.constexpr):
+        # Program (row, chunk): the chunk's largest raw logit; with SUMS the sum of exp(raw -
+        # that maximum) (0 for a chunk all -inf); with TOP_N its num_logprobs largest values,
+        # largest first, the lowest index first among equal ones (a slot past the finite
+        # values: -inf, token 0, as the full kernel leaves it).
+        row64 = tl.program_id(0).to(tl.int64)
+        chunk = tl.program_id(1)
+        idx = chunk * BLOCK + tl.arange(0, BLOCK)
+        raw = tl.load(logits_ptr + row64 * stride_row + idx, mask=idx < vocab,
+                      other=float("-inf")).to(tl.float32)
+        out = row64 * tl.num_programs(1) + chunk
+        m = tl.max(raw)
+        tl.store(maxes_ptr + out, m)
+        if SUMS:
+            finite = raw > float("-inf")
+            s = tl.sum(tl.where(finite, tl.exp(raw - tl.where(finite, m, 0.0)), 0.0))
+            tl.store(sums_ptr + out, s)
+        if TOP_N:
+            vals = raw
+            for j in range(num_logprobs):
+                best = tl.max(vals)
+                first = tl.min(tl.where(vals == best, idx, 2147483647))
+                first = tl.where(best > float("-inf"), first, 0)
+                tl.store(top_vals_ptr + out * num_logprobs + j, best)
+                tl.store(top_ids_ptr + out * num_logprobs + j, first.to(tl.int64))
+                vals = tl.where(idx == first, float("-inf"), vals)
+
+    @triton.jit(do_not_specialize=["temps_ptr", "min_ps_ptr", "seeds_ptr", "offsets_ptr",
+                                   "vocab_start"])
+    def _draw_chunks_kernel(logits_ptr, temps_ptr, min_ps_ptr, seeds_ptr, offsets_ptr,
+                            maxes_ptr, vals_ptr, idx_ptr, vocab, stride_row, vocab_start,
+                            BLOCK: tl.constexpr, MIN_P: tl.constexpr, BLOCK_C: tl.constexpr):
+        # Program (row, chunk) of a row with no top-k or top-p: the chunk's best score and its
+        # first index, the score computed as _sample_row's last pass does (x + noise over the
+        # allowed x, x = raw * (1 / temperature)), or a greedy row's raw maximum as
+        # _argmax_chunks_kernel finds it. With MIN_P the row's maximum for the min-p cut comes
+        # from the chunks' maxima (_chunk_stats_kernel). One pass, chunks side by side: no row
+        # waits on one program's walk through its whole vocabulary.
         row = tl.program_id(0)
         row64 = row.to(tl.int64)
         chunk = tl.program_id(1)
@@ -408,10 +442,19 @@ if triton is not None:
             first, best = _first_max(raw, idx, 2147483647)
         else:
             inv_temp = tl.math.div_rn(tl.full((), 1.0, tl.float32), temp)
-            x = raw * inv_temp
+            x = scaled(raw, inv_temp)
+            allowed = x > float("-inf")
+            if MIN_P:
+                min_p = tl.load(min_ps_ptr + row)
+                if min_p > 0.0:
+                    c = tl.arange(0, BLOCK_C)
+                    maxima = tl.load(maxes_ptr + row64 * tl.num_programs(1) + c,
+                                     mask=c < tl.num_programs(1), other=float("-inf"))
+                    x_max = scaled(tl.max(maxima), inv_temp)
+                    allowed &= (x - x_max) >= tl.log(min_p)
             key_a, key_b = row_keys(tl.load(seeds_ptr + row), tl.load(offsets_ptr + row))
             u = uniform(idx + vocab_start, key_a, key_b)
-            score = tl.where(x > float("-inf"), noisy_score(raw, inv_temp, u), float("-inf"))
+            score = tl.where(allowed, noisy_score(x, u), float("-inf"))
             best = tl.max(score)
             first = tl.min(tl.where(score == best, idx, 2147483647))
         out = row64 * tl.num_programs(1) + chunk
@@ -419,10 +462,14 @@ if triton is not None:
         tl.store(idx_ptr + out, first)
 
     @triton.jit
-    def _argmax_merge_kernel(vals_ptr, idx_ptr, tokens_ptr, scores_ptr, num_chunks,
-                             BLOCK_C: tl.constexpr, SCORES: tl.constexpr):
+    def _argmax_merge_kernel(vals_ptr, idx_ptr, tokens_ptr, scores_ptr, maxes_ptr, sums_ptr,
+                             logits_ptr, logprobs_ptr, lse_ptr, num_chunks, stride_row,
+                             BLOCK_C: tl.constexpr, SCORES: tl.constexpr,
+                             LOGPROBS: tl.constexpr):
         # Program row: the first of its chunks' maxima (chunks in column order, so the lowest
-        # index of a tie or of a NaN is the first chunk's), and with SCORES that maximum.
+        # index of a tie or of a NaN is the first chunk's), and with SCORES that maximum. With
+        # LOGPROBS the row's log-sum-exp from the chunks' maxima and sums, and the token's
+        # raw logprob.
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK_C)
         mask = c < num_chunks
@@ -432,6 +479,14 @@ if triton is not None:
         tl.store(tokens_ptr + row, token.to(tl.int64))
         if SCORES:
             tl.store(scores_ptr + row, best)
+        if LOGPROBS:
+            maxima = tl.load(maxes_ptr + row * num_chunks + c, mask=mask, other=float("-inf"))
+            sums = tl.load(sums_ptr + row * num_chunks + c, mask=mask, other=0.0)
+            m = tl.max(maxima)
+            lse = m + tl.log(tl.sum(sums * tl.exp(maxima - m)))
+            tl.store(lse_ptr + row, lse)
+            raw_token = tl.load(logits_ptr + row * stride_row + token).to(tl.float32)
+            tl.store(logprobs_ptr + row, raw_token - lse)
 
     @triton.jit
     def _sample_row(
@@ -474,7 +529,7 @@ if triton is not None:
         # A rounded product with a positive number is monotone, so a cut on x is the product
         # of a cut on the raw values: the searches run on raw values.
         inv_temp = tl.math.div_rn(tl.full((), 1.0, tl.float32), temp)
-        x_max = raw_max * inv_temp
+        x_max = scaled(raw_max, inv_temp)
         scale = 1.4426950408889634 / temp  # exp(x - x_max) as one exp2 of raw values
 
         k_cut = tl.full((), float("-inf"), tl.float32)
@@ -540,7 +595,7 @@ if triton is not None:
             idx = start + tl.arange(0, BLOCK)
             if LOGPROBS:
                 sum_exps += tl.exp(raw - raw_max)
-            x = raw * inv_temp
+            x = scaled(raw, inv_temp)
             allowed = (x > float("-inf")) & (x >= k_cut) & (x >= p_cut)
             allowed &= (x - x_max) >= log_min_p
             if WRITE_ALLOWED:
@@ -553,7 +608,7 @@ if triton is not None:
                     noisy = tl.max(allowed.to(tl.int32)) > 0
                 if noisy:
                     u = uniform(idx + vocab_start, key_a, key_b)  # keyed by the token's id
-                    score = tl.where(allowed, noisy_score(raw, inv_temp, u), float("-inf"))
+                    score = tl.where(allowed, noisy_score(x, u), float("-inf"))
                     tokens = tl.where(score > bests, idx, tokens)
                     bests = tl.maximum(bests, score)
             if TOP_N:
@@ -701,40 +756,73 @@ def argmax_fused(logits: torch.Tensor, block: int = 2048) -> torch.Tensor:
         logits, vals, idx, vocab, logits.stride(0), BLOCK=block, num_warps=4
     )
     _argmax_merge_kernel[(batch,)](
-        vals, idx, tokens, tokens, num_chunks, BLOCK_C=triton.next_power_of_2(num_chunks),
-        SCORES=False, num_warps=1,
+        vals, idx, tokens, tokens, vals, vals, logits, vals, vals, num_chunks, logits.stride(0),
+        BLOCK_C=triton.next_power_of_2(num_chunks), SCORES=False, LOGPROBS=False, num_warps=1,
     )  # fmt: skip
     return tokens
 
 
-def _draw_plain(
+def _draw_chunked(
     logits: torch.Tensor,
     temperatures: torch.Tensor,
+    min_ps: torch.Tensor | None,
     seeds: torch.Tensor,
     offsets: torch.Tensor,
     vocab_start: int,
     block: int,
+    num_logprobs: int,
+    logprobs: bool,
 ) -> FusedSample:
-    """sample_fused's tokens and scores for rows without top-k, top-p or min-p, in one pass of
-    chunks side by side (two launches): _draw_chunks_kernel, then the chunks' merge."""
+    """sample_fused for rows without top-k or top-p, in chunks of `block` columns side by side:
+    _chunk_stats_kernel when min-p (min_ps not None) or logprobs need the rows' maxima, sums
+    or top values, _draw_chunks_kernel, then the chunks' merge (two to three launches)."""
     batch, vocab = logits.shape
     dev = logits.device
     tokens = torch.empty(batch, dtype=torch.int64, device=dev)
     scores = torch.empty(batch, dtype=torch.float32, device=dev)
-    if batch == 0:
-        return FusedSample(tokens, None, None, None, scores)
+    logprobs = logprobs or num_logprobs > 0
+    token_logprobs = torch.empty(batch, dtype=torch.float32, device=dev) if logprobs else None
+    lse = torch.empty(batch, dtype=torch.float32, device=dev) if logprobs else None
     num_chunks = triton.cdiv(vocab, block)
+    top_vals = top_ids = None
+    if num_logprobs:
+        top_vals = torch.empty(batch, num_chunks * num_logprobs, dtype=torch.float32, device=dev)
+        top_ids = torch.empty(batch, num_chunks * num_logprobs, dtype=torch.int64, device=dev)
+    if batch == 0:
+        if not num_logprobs:
+            return FusedSample(tokens, token_logprobs, None, None, scores)
+        empty = torch.empty(0, num_logprobs, device=dev)
+        return FusedSample(tokens, token_logprobs, empty, empty.long(), scores)
     vals = torch.empty(batch, num_chunks, dtype=torch.float32, device=dev)
     idx = torch.empty(batch, num_chunks, dtype=torch.int32, device=dev)
+    maxes = sums = vals
+    block_c = triton.next_power_of_2(num_chunks)
+    if min_ps is not None or logprobs:
+        maxes = torch.empty(batch, num_chunks, dtype=torch.float32, device=dev)
+        sums = torch.empty_like(maxes) if logprobs else maxes
+        _chunk_stats_kernel[(batch, num_chunks)](
+            logits, maxes, sums, top_vals if num_logprobs else maxes,
+            top_ids if num_logprobs else idx, vocab, logits.stride(0), num_logprobs,
+            BLOCK=block, SUMS=logprobs, TOP_N=num_logprobs > 0, num_warps=4,
+        )  # fmt: skip
     _draw_chunks_kernel[(batch, num_chunks)](
-        logits, temperatures, seeds, offsets, vals, idx, vocab, logits.stride(0), vocab_start,
-        BLOCK=block, num_warps=4,
+        logits, temperatures, temperatures if min_ps is None else min_ps, seeds, offsets, maxes,
+        vals, idx, vocab, logits.stride(0), vocab_start, BLOCK=block, MIN_P=min_ps is not None,
+        BLOCK_C=block_c, num_warps=4,
     )  # fmt: skip
     _argmax_merge_kernel[(batch,)](
-        vals, idx, tokens, scores, num_chunks, BLOCK_C=triton.next_power_of_2(num_chunks),
-        SCORES=True, num_warps=1,
+        vals, idx, tokens, scores, maxes, sums, logits,
+        scores if token_logprobs is None else token_logprobs, scores if lse is None else lse,
+        num_chunks, logits.stride(0), BLOCK_C=block_c, SCORES=True, LOGPROBS=logprobs,
+        num_warps=1,
     )  # fmt: skip
-    return FusedSample(tokens, None, None, None, scores)
+    if not num_logprobs:
+        return FusedSample(tokens, token_logprobs, None, None, scores)
+    # Candidates in vocabulary order among equal values (chunks in order, each chunk's equal
+    # values lowest index first): a stable sort keeps the lowest token ids of a tie first.
+    top_vals, order = top_vals.sort(dim=1, descending=True, stable=True)
+    top_vals, top_ids = top_vals[:, :num_logprobs], top_ids.gather(1, order[:, :num_logprobs])
+    return FusedSample(tokens, token_logprobs, top_vals - lse[:, None], top_ids, scores)
 
 
 def sample_fused(
@@ -753,6 +841,7 @@ def sample_fused(
     programs_per_sm: int = 1,
     logprobs: bool = True,
     plain: bool = False,
+    min_p: bool = True,
 ) -> FusedSample:
     """Sample one token per row of logits [batch, vocab] (fp32/bf16/fp16, rows may be strided).
 
@@ -770,13 +859,16 @@ def sample_fused(
     column indices; with no top-k, top-p or min-p, the shard of the largest score (the first
     on ties) holds the full row's token (see FusedSample.scores).
 
-    plain: the caller knows no row has top-k, top-p or min-p. Without logprobs such rows need
-    no pass but the noisy argmax, which then runs in chunks of `block` columns (2048 unless
-    given) side by side: the same tokens and scores as the full kernel, in a fraction of its
-    time (one program walking a whole row is bound by its loads' latency).
+    plain: the caller knows no row has top-k or top-p; min_p: whether a row may have min-p.
+    Such rows need no search: their draw runs in chunks of `block` columns (2048 unless given)
+    side by side, with the rows' maxima (min-p) and softmax sums and top values (logprobs)
+    from a pass of chunks before it. The same tokens and scores as the full kernel and its
+    logprobs within rounding, in a fraction of its time (one program walking a whole row is
+    bound by its loads' latency).
     """
-    if plain and num_logprobs == 0 and not logprobs:
-        return _draw_plain(logits, temperatures, seeds, offsets, vocab_start, block or 2048)
+    if plain:
+        return _draw_chunked(logits, temperatures, min_ps if min_p else None, seeds, offsets,
+                             vocab_start, block or 2048, num_logprobs, logprobs)
     return _launch(logits, temperatures, top_ks, top_ps, min_ps, seeds, offsets, num_logprobs,
                    None, block, num_warps, vocab_start, programs_per_sm, logprobs)
 

@@ -27,8 +27,9 @@ class SamplingTensors:
     seeds: torch.Tensor  # [batch] int64, the row's random stream
     offsets: torch.Tensor  # [batch] int64, the output position being sampled
     all_greedy: bool = False
-    # No row has top-k, top-p or min-p: without logprobs, one pass draws them (sample_fused)
+    # No row has top-k or top-p: the rows draw in chunks, without a search (sample_fused)
     all_plain: bool = False
+    any_min_p: bool = True
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -48,5 +49,5 @@ def sample(
         return FusedSample(tokens, None, None, None)
     args = (logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, st.seeds, st.offsets)
     return backend_for(logits.device).sample(
-        *args, num_logprobs, logprobs=need_logprobs, plain=st.all_plain
+        *args, num_logprobs, logprobs=need_logprobs, plain=st.all_plain, min_p=st.any_min_p
     )

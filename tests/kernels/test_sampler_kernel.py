@@ -271,40 +271,64 @@ def test_vocabulary_shards_give_the_full_rows_token(dtype, cuts):
         assert torch.equal(torch.stack(scores).amax(dim=0), want), how
 
 
-@pytest.mark.parametrize("dtype", [f32, f16, bf16])
-@pytest.mark.parametrize("vocab,block", [(300, 64), (64, 64), (37, 128), (1000, 128)])
-def test_plain_rows_drawn_in_chunks(dtype, vocab, block):
-    # plain=True (no row filters, no logprobs) draws each row in chunks side by side: the
-    # full kernel's tokens and scores exactly, and the reference's tokens, whatever the chunk
-    # boundaries; with greedy rows (first maximum, a tie across chunks), -inf tokens, a row
-    # all -inf, strided rows.
+@pytest.mark.parametrize("dtype", [f32, bf16])
+@pytest.mark.parametrize("vocab,block", [(300, 64), (37, 128)])
+@pytest.mark.parametrize("num_logprobs,logprobs", [(0, False), (0, True), (3, False)])
+def test_plain_rows_drawn_in_chunks(dtype, vocab, block, num_logprobs, logprobs):
+    # plain=True (no top-k or top-p) draws each row in chunks side by side: the full kernel's
+    # tokens and scores exactly, its logprobs and top logprobs within rounding, and the
+    # reference's tokens, whatever the chunk boundaries; with greedy rows (first maximum, a
+    # tie across chunks), min-p rows, -inf tokens, a row all -inf, strided rows.
     gen = torch.Generator().manual_seed(vocab)
-    rows = len(PLAIN) + 2
+    settings = [*PLAIN, (0.9, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.05), (0.7, 0, 1.0, 0.3),
+                (1.5, 0, 1.0, 0.0)]  # fmt: skip
+    rows = len(settings)
     wide = (torch.randn(rows, vocab + 3, generator=gen) * 3).to(dtype).to(DEVICE)
     logits = wide[:, :vocab]
     logits[0, vocab // 3] = logits[0, vocab - 1] = logits[0].max() + 1
     logits[2, ::3] = float("-inf")
     logits[-1] = float("-inf")
-    settings = [*PLAIN, (0.9, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0)]
+    # One token above min-p's cut (at 0.7, x - x_max = -1.5 < log 0.3), many just under it.
+    cut_row = len(PLAIN) + 2
+    logits[cut_row] = -1.05
+    logits[cut_row, 5] = 0.0
     filters = settings_tensors(settings)
     seeds, offsets = keys(rows)
-    got = sample_fused(logits, *filters, seeds, offsets, block=block, logprobs=False,
-                       plain=True)
-    assert got.logprobs is None
-    full = sample_fused(logits, *filters, seeds, offsets, block=block)
-    ref = sample_ref(logits, *filters, seeds, offsets)
+
+    def chunked(offsets=offsets, min_p=True):
+        return sample_fused(logits, *filters, seeds, offsets, num_logprobs, block=block,
+                            logprobs=logprobs, plain=True, min_p=min_p)  # fmt: skip
+
+    got = chunked()
+    full = sample_fused(logits, *filters, seeds, offsets, num_logprobs, block=block)
+    ref = sample_ref(logits, *filters, seeds, offsets, num_logprobs)
     assert torch.equal(got.token_ids, full.token_ids)
     assert torch.equal(got.scores, full.scores)
     assert torch.equal(got.token_ids, ref.token_ids)
     torch.testing.assert_close(got.scores, ref.scores)
     assert got.token_ids[0] == vocab // 3 and got.token_ids[-1] == 0
+    if logprobs or num_logprobs:
+        finite = torch.arange(rows) != rows - 1  # the -inf row's logprobs are NaN
+        torch.testing.assert_close(got.logprobs[finite], full.logprobs[finite])
+    else:
+        assert got.logprobs is None
+    if num_logprobs:
+        assert torch.equal(got.top_token_ids[finite], full.top_token_ids[finite])
+        torch.testing.assert_close(got.top_logprobs[finite], full.top_logprobs[finite])
+        torch.testing.assert_close(got.top_logprobs[finite], ref.top_logprobs[finite])
+    if num_logprobs or logprobs:
+        return  # the draws below do not depend on logprobs
+    # min-p cuts: the rows with it never draw a token under its cut, and without the cut
+    # (min_p=False: the caller said no row has min-p) they would have.
+    x = logits.float() / filters[0].clamp(min=1e-6)[:, None]
+    draws = torch.stack([chunked(offsets + i).token_ids for i in range(8)])
+    r = len(PLAIN) + 1
+    assert (x[r][draws[:, r]] >= x[r].max() + torch.log(filters[3][r]) - 1e-5).all()
+    assert (draws[:, cut_row] == 5).all()
+    uncut = torch.stack([chunked(offsets + i, min_p=False).token_ids for i in range(8)])
+    assert (uncut[:, cut_row] != 5).any()
     # The noise moves the draws: over a few output positions a sampled row takes several
     # tokens, a greedy row one.
-    draws = torch.stack([
-        sample_fused(logits, *filters, seeds, offsets + i, block=block, logprobs=False,
-                     plain=True).token_ids
-        for i in range(6)
-    ])  # fmt: skip
     distinct = torch.tensor([len(set(col.tolist())) for col in draws.T])
     assert distinct[0] == distinct[len(PLAIN) - 1] == 1 and distinct.max() > 1
 
