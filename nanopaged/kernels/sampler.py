@@ -7,9 +7,9 @@ Semantics, per row of logits [batch, vocab], all in fp32 on x = logits * (1 / te
   top-p (< 1): over the top-k set, with e = exp(x - max x) and Z = sum of e over that set,
       drop a token when the e of the tokens with strictly greater x sums to more than top_p * Z.
   min-p (> 0): drop a token when x - max x < log(min_p), i.e. p < min_p * p_max.
-  sample: argmax over the allowed tokens of x + g, g = -log(-log(u)) Gumbel noise, u from a
-      counter-based hash of (seed, offset, token index): a row's token depends only on its
-      logits, settings, seed and offset, never on the batch.
+  sample: argmax over the allowed tokens of x + g, g = -log(-log(u)) Gumbel noise (within
+      4e-7: hash_rng.gumbel), u from a counter-based hash of (seed, offset, token index): a
+      row's token depends only on its logits, settings, seed and offset, never on the batch.
 Logprobs are log_softmax of the logits passed in, before temperature (vLLM's raw logprobs).
 min_tokens is the caller's: it sets a banned stop token's logit to -inf (a -inf token is never
 allowed). Penalties are the caller's too: engine/sampling.penalize applies them first
@@ -27,6 +27,9 @@ interpolating the mass between its bounds until they meet on a value. The search
 the raw logits (a rounded product with a positive 1 / temperature keeps their order), so the
 kernel can differ from the reference only where two raw values round to one x, or where a
 token's mass sits within fp32 summation error of top_p * Z.
+
+Rows without top-k or top-p need no search: sample_fused(plain=True) draws them in chunks of
+the row side by side (_draw_chunked), with the same bits per token as the full kernel.
 """
 
 from __future__ import annotations
