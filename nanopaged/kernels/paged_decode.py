@@ -359,16 +359,27 @@ def choose_num_splits(
     batch: int, num_kv_heads: int, max_context_len: int, block_n: int, sms: int
 ) -> int:
     """Split-KV count from host ints only: split when there are fewer programs than SMs (to
-    ~2 per SM, and no more than 4 tiles each), or contexts pass 32k; at least one tile per
-    split, at most 64 splits. A CUDA graph captures this with max_context_len = the longest a
-    sequence may grow: at small batches a short context still spreads over several programs
-    (splits past a context's end return at once)."""
+    ~2 per SM, and no more than 4 tiles each), in three or two when there are fewer than 1.5
+    or 2.5 per SM, or when contexts pass 32k; at least one tile per split, at most 64 splits.
+    A CUDA graph captures this with max_context_len = the longest a sequence may grow: at small
+    batches a short context still spreads over several programs (splits past a context's end
+    return at once).
+
+    The middle band, H200, 16q/8kv heads, contexts of 100-4,000 tokens: with one or two
+    programs per SM each program's loads cannot cover HBM's latency. 17-40 sequences of
+    900-2,000 tokens took 57-72 us unsplit, 39-64 us in two (17-24: 32-42 us in three or four);
+    of 100-700 tokens the same or up to 20% less; at 64 sequences splitting lost up to 7% on
+    short contexts (300-700 tokens), so 2.5 per SM ends the band."""
     programs = batch * num_kv_heads
     max_tiles = max(1, -(-max_context_len // block_n))
     splits = 1
     if programs < sms:
         # ~2 programs per SM, and no split longer than 4 tiles
         splits = max(-(-2 * sms // programs), -(-max_tiles // 4))
+    elif 2 * programs < 3 * sms:
+        splits = 3
+    elif 2 * programs < 5 * sms:
+        splits = 2
     splits = max(splits, -(-max_context_len // 32768))  # long contexts: bound one program's work
     return max(1, min(splits, max_tiles, 64))
 

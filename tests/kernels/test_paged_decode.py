@@ -15,6 +15,7 @@ from kernel_inputs import (
 )
 
 from nanopaged.kernels.paged_decode import (
+    choose_num_splits,
     longest_first,
     paged_decode,
     paged_decode_launch,
@@ -112,6 +113,21 @@ def test_decode_split_by_max_context_len():
     lens = [600]
     inputs = make_inputs(lens, 16, 4, 64, f16, 1)
     check(*inputs, paged_decode(*inputs, 0.1, max_context_len=600), f16)
+
+
+def test_split_count_bands():
+    # 132 SMs, 8 KV heads, graphs captured for 4,096-token contexts: under one program per SM
+    # the contexts spread finely; up to 1.5 programs per SM in three, up to 2.5 in two; above
+    # that, unsplit; and never more splits than tiles.
+    def splits(batch, max_context_len=4096):
+        return choose_num_splits(batch, 8, max_context_len, 64, 132)
+
+    assert splits(1) == 33 and splits(16) == 16
+    assert splits(17) == splits(24) == 3
+    assert splits(25) == splits(41) == 2
+    assert splits(42) == splits(64) == splits(256) == 1
+    assert splits(24, max_context_len=100) == 2  # two tiles
+    assert splits(256, max_context_len=65536) == 2  # long contexts bound a program's work
 
 
 def test_decode_rejects_odd_head_dim():
