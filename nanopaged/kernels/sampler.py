@@ -378,18 +378,23 @@ if triton is not None:
         return tl.where(has_nan, first_nan, first), tl.where(has_nan, float("nan"), best)
 
     @triton.jit
+    def _load_chunk(logits_ptr, vocab, stride_row, BLOCK: tl.constexpr):
+        # Program (row, chunk) of a grid over rows and chunks of BLOCK columns: its row (int64),
+        # column indices and fp32 values, and the slot of its per-chunk outputs. Padding past
+        # the vocabulary is -inf with an index past every real one: never first.
+        row64 = tl.program_id(0).to(tl.int64)
+        idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        raw = tl.load(logits_ptr + row64 * stride_row + idx, mask=idx < vocab,
+                      other=float("-inf")).to(tl.float32)
+        return row64, idx, raw, row64 * tl.num_programs(1) + tl.program_id(1)
+
+    @triton.jit
     def _argmax_chunks_kernel(logits_ptr, vals_ptr, idx_ptr, vocab, stride_row,
                               BLOCK: tl.constexpr):
         # Program (row, chunk): the chunk's first maximum. Chunks of a row run side by side,
         # so one row (a batch-1 decode step) is spread over the SMs, not read by one.
-        row = tl.program_id(0).to(tl.int64)
-        chunk = tl.program_id(1)
-        idx = chunk * BLOCK + tl.arange(0, BLOCK)
-        # Padding past the vocabulary is -inf with an index past every real one: never first.
-        x = tl.load(logits_ptr + row * stride_row + idx, mask=idx < vocab,
-                    other=float("-inf")).to(tl.float32)
+        _, idx, x, out = _load_chunk(logits_ptr, vocab, stride_row, BLOCK)
         first, best = _first_max(x, idx, 2147483647)
-        out = row * tl.num_programs(1) + chunk
         tl.store(vals_ptr + out, best)
         tl.store(idx_ptr + out, first)
 
@@ -401,12 +406,7 @@ if triton is not None:
         # that maximum) (0 for a chunk all -inf); with TOP_N its num_logprobs largest values,
         # largest first, the lowest index first among equal ones (a slot past the finite
         # values: -inf, token 0, as the full kernel leaves it).
-        row64 = tl.program_id(0).to(tl.int64)
-        chunk = tl.program_id(1)
-        idx = chunk * BLOCK + tl.arange(0, BLOCK)
-        raw = tl.load(logits_ptr + row64 * stride_row + idx, mask=idx < vocab,
-                      other=float("-inf")).to(tl.float32)
-        out = row64 * tl.num_programs(1) + chunk
+        _, idx, raw, out = _load_chunk(logits_ptr, vocab, stride_row, BLOCK)
         m = tl.max(raw)
         tl.store(maxes_ptr + out, m)
         if SUMS:
@@ -434,12 +434,8 @@ if triton is not None:
         # _argmax_chunks_kernel finds it. With MIN_P the row's maximum for the min-p cut comes
         # from the chunks' maxima (_chunk_stats_kernel). One pass, chunks side by side: no row
         # waits on one program's walk through its whole vocabulary.
+        row64, idx, raw, out = _load_chunk(logits_ptr, vocab, stride_row, BLOCK)
         row = tl.program_id(0)
-        row64 = row.to(tl.int64)
-        chunk = tl.program_id(1)
-        idx = chunk * BLOCK + tl.arange(0, BLOCK)
-        raw = tl.load(logits_ptr + row64 * stride_row + idx, mask=idx < vocab,
-                      other=float("-inf")).to(tl.float32)
         temp = tl.load(temps_ptr + row)
         if temp == 0.0:
             first, best = _first_max(raw, idx, 2147483647)
@@ -460,7 +456,6 @@ if triton is not None:
             score = tl.where(allowed, noisy_score(x, u), float("-inf"))
             best = tl.max(score)
             first = tl.min(tl.where(score == best, idx, 2147483647))
-        out = row64 * tl.num_programs(1) + chunk
         tl.store(vals_ptr + out, best)
         tl.store(idx_ptr + out, first)
 
