@@ -261,9 +261,8 @@ class EngineConfig:
     """How the engine runs: batching limits, KV block size and budget, device and dtype."""
 
     max_num_seqs: int = 256
-    # nano-vllm's default (vLLM's offline LLM takes the same on large GPUs): a prefill step
-    # outside CUDA graphs costs ~25 ms of kernel launches on the host whatever its size, so
-    # 8,192 left the bench's prefill bound by the host (0.48 s; ~0.3 s of GPU work).
+    # nano-vllm's default: a prefill step outside CUDA graphs costs ~25 ms of kernel launches
+    # on the host whatever its size, so 8,192 left the bench's prefill bound by the host.
     max_num_batched_tokens: int = 16384
     block_size: int = 16
     enable_prefix_caching: bool = True
