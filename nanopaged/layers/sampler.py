@@ -29,6 +29,7 @@ class SamplingTensors:
     all_greedy: bool = False
     # No row has top-k or top-p: the rows draw in chunks, without a search (sample_fused)
     all_plain: bool = False
+    # Some row may have min-p: a chunked draw then finds the rows' maxima first
     any_min_p: bool = True
 
 
