@@ -115,7 +115,7 @@ def penalize(
         host = host.pin_memory()
     both = host.to(dev, non_blocking=True)
     penalties = both[:3].float()
-    logits = logits.float().clone()
+    logits = logits.to(torch.float32, copy=True)  # one copy, whatever the logits' dtype
     backend_for(dev).penalize_rows(logits, both[3].long(), both[4].long(), counts.counts,
                                    counts.prompt, penalties)  # fmt: skip
     return logits

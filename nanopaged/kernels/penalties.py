@@ -68,8 +68,8 @@ if triton is not None:
     ):
         # Grid: (n, cdiv(vocab, BLOCK)): BLOCK tokens of one penalized row.
         i = tl.program_id(0)
-        row = tl.load(rows_ptr + i)
-        state = tl.load(state_rows_ptr + i)
+        row = tl.load(rows_ptr + i).to(tl.int64)  # offsets past 2^31 in large count tables
+        state = tl.load(state_rows_ptr + i).to(tl.int64)
         presence = tl.load(penalties_ptr + i)
         frequency = tl.load(penalties_ptr + num_rows + i)
         repetition = tl.load(penalties_ptr + 2 * num_rows + i)
