@@ -123,13 +123,15 @@ def fused_path(logits: torch.Tensor, setting: tuple, seed_list: list[int], **lau
     offsets = torch.zeros(batch, dtype=torch.int64, device=dev)
 
     # As the engine calls it: the sampled tokens' own logprobs only with top logprobs, rows
-    # without top-k or top-p flagged plain (SamplingTensors.all_plain, any_min_p).
+    # without top-k or top-p flagged plain, rows without top-k so (SamplingTensors.all_plain,
+    # any_min_p, any_top_k).
     plain = top_k <= 0 and top_p == 1.0
 
     def run():
         offsets.add_(1)  # a new position each step, as in decode
         return sample_fused(logits, temps, top_ks, top_ps, min_ps, seeds, offsets, num_logprobs,
-                            logprobs=num_logprobs > 0, plain=plain, min_p=min_p > 0, **launch)
+                            logprobs=num_logprobs > 0, plain=plain, min_p=min_p > 0,
+                            top_k=top_k > 0, **launch)  # fmt: skip
 
     return run
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -360,14 +361,17 @@ class ModelRunner:
 
     def _warm_up_sampler(self) -> None:
         """Compile the sampler kernel's three variants (plain; the sampled tokens' logprobs;
-        top logprobs too) and the greedy argmax now, not inside the first steps that ask for
-        them: a compile there stalls every running request. Batch sizes and logprob counts
-        compile none."""
+        top logprobs too), the chunked draws of the commonest settings (temperature alone; top-p
+        without top-k) and the greedy argmax now, not inside the first steps that ask for them:
+        a compile there stalls every running request. Batch sizes and logprob counts compile
+        none."""
         vocab = self.model_config.vocab_size
         logits = torch.zeros(3, vocab, dtype=self.dtype, device=self.device)
         self._profile_sampling(logits, num_logprobs=0)
         st = self._profile_sampling(logits, num_logprobs=1)
         sample(logits, st, need_logprobs=True)
+        sample(logits, replace(st, any_top_k=False))
+        sample(logits, replace(st, all_plain=True, any_min_p=False))
         greedy_tokens(logits)  # all-greedy steps: the argmax kernels
         torch.cuda.synchronize()
 

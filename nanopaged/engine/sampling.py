@@ -71,6 +71,7 @@ def sampling_tensors(
         all_greedy=all(p.greedy for p in params),
         all_plain=all(p.top_k == -1 and p.top_p == 1.0 for p in params),
         any_min_p=any(p.min_p > 0.0 for p in params),
+        any_top_k=any(p.top_k > 0 for p in params),
     )
 
 

@@ -31,6 +31,8 @@ class SamplingTensors:
     all_plain: bool = False
     # Some row may have min-p: a chunked draw then finds the rows' maxima first
     any_min_p: bool = True
+    # Some row may have top-k: without, rows with top-p draw in chunks too (sample_fused)
+    any_top_k: bool = True
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -50,5 +52,6 @@ def sample(
         return FusedSample(tokens, None, None, None)
     args = (logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, st.seeds, st.offsets)
     return backend_for(logits.device).sample(
-        *args, num_logprobs, logprobs=need_logprobs, plain=st.all_plain, min_p=st.any_min_p
+        *args, num_logprobs, logprobs=need_logprobs, plain=st.all_plain, min_p=st.any_min_p,
+        top_k=st.any_top_k,
     )

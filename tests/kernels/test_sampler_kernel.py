@@ -333,6 +333,83 @@ def test_plain_rows_drawn_in_chunks(dtype, vocab, block, num_logprobs, logprobs)
     assert distinct[0] == distinct[len(PLAIN) - 1] == 1 and distinct.max() > 1
 
 
+@pytest.mark.parametrize(
+    "dtype,vocab,block,frontier,logprobs",
+    [(f32, 500, 64, (16, 32), False), (bf16, 500, 64, (16, 32), True),
+     (bf16, 500, 64, (2, 3), False), (f32, 500, 64, (1, 1), True),
+     (f32, 45, 128, (16, 32), False)],
+)  # fmt: skip
+def test_top_p_rows_drawn_in_chunks(dtype, vocab, block, frontier, logprobs):
+    # top_k=False (no row has top-k) draws rows with top-p, min-p or temperature alone in
+    # chunks, from the masses above each row's few candidates: the full kernel's tokens and
+    # scores exactly, its logprobs within rounding, the reference's tokens. Rows peaked to
+    # flat (many candidates), greedy (a tie across chunks), -inf tokens, a sampled row all
+    # -inf, top-p keeping one token, top-p with min-p, strided rows. Tiny frontier caps make
+    # rows whose candidates run out fall back to the full walk.
+    gen = torch.Generator().manual_seed(vocab + block)
+    rows = 20
+    scales = torch.logspace(-1.5, 1, rows)
+    wide = (torch.randn(rows, vocab + 5, generator=gen) * scales[:, None]).to(dtype)
+    logits = wide.to(DEVICE)[:, :vocab]
+    logits[0, vocab // 4] = logits[0, vocab - 2] = logits[0].max() + 1
+    logits[3, ::3] = float("-inf")
+    logits[4] = float("-inf")
+    temps = torch.rand(rows, generator=gen) * 1.7 + 0.3
+    temps[0] = temps[9] = 0.0
+    top_ps = torch.rand(rows, generator=gen) * 0.95 + 0.04
+    top_ps[1::5] = 1.0
+    top_ps[5] = 1e-6
+    min_ps = torch.where(torch.rand(rows, generator=gen) < 0.3, 0.05, 0.0)
+    min_ps[6] = 0.2
+    filters = (temps.to(DEVICE), torch.zeros(rows, dtype=torch.int32, device=DEVICE),
+               top_ps.to(DEVICE), min_ps.to(DEVICE))  # fmt: skip
+    seeds, offsets = keys(rows)
+    got = sample_fused(logits, *filters, seeds, offsets, block=block, logprobs=logprobs,
+                       top_k=False, frontier=frontier)  # fmt: skip
+    full = sample_fused(logits, *filters, seeds, offsets, block=block, logprobs=logprobs)
+    ref = sample_ref(logits, *filters, seeds, offsets)
+    assert torch.equal(got.token_ids, full.token_ids)
+    assert torch.equal(got.scores, full.scores)
+    assert torch.equal(got.token_ids, ref.token_ids)
+    assert got.token_ids[0] == vocab // 4 and got.token_ids[4] == 0
+    if logprobs:
+        finite = torch.arange(rows) != 4  # the -inf row's logprobs are NaN
+        torch.testing.assert_close(got.logprobs[finite], full.logprobs[finite])
+    else:
+        assert got.logprobs is None
+    # The cuts matter: on some rows the best score of all finite tokens is cut, so the token
+    # is a later candidate (past a cap of one, the full walk's).
+    uncut = sample_ref(logits, filters[0], filters[1], torch.ones_like(filters[2]),
+                       torch.zeros_like(filters[3]), seeds, offsets).token_ids
+    assert (uncut != ref.token_ids).sum() >= 3
+
+
+@pytest.mark.parametrize("num_logprobs", [1, 4, 9])
+def test_chunked_top_logprobs(num_logprobs):
+    # The chunked draw's top logprobs (each chunk searches only when it holds a value at least
+    # the n-th largest of the chunks' maxima) against a stable descending sort: the largest
+    # values all in one chunk, ties at the n-th value across chunks (the lowest token ids
+    # first), a row with fewer finite values than n.
+    vocab, block = 400, 64
+    gen = torch.Generator().manual_seed(num_logprobs)
+    logits = torch.randn(4, vocab, generator=gen).to(DEVICE)
+    logits[0, 130:140] = torch.arange(10, device=DEVICE) + 10.0  # one chunk holds the top 10
+    logits[1, [5, 70, 200, 333, 399]] = 7.0  # five equal largest values in five chunks
+    logits[1, [64, 300]] = 6.0
+    logits[2] = float("-inf")
+    logits[2, [3, 250]] = 1.0
+    filters = settings_tensors([(1.0, 0, 1.0, 0.0), (0.0, 0, 1.0, 0.0), (0.8, 0, 1.0, 0.0),
+                                (1.2, 0, 1.0, 0.0)])  # fmt: skip
+    seeds, offsets = keys(4)
+    got = sample_fused(logits, *filters, seeds, offsets, num_logprobs, block=block, plain=True)
+    lp = logits.float().log_softmax(dim=1)
+    want, order = lp.sort(dim=1, descending=True, stable=True)
+    ids = order[:, :num_logprobs]
+    ids[2, 2:] = 0  # slots past the finite values: -inf, token 0
+    assert torch.equal(got.top_token_ids, ids)
+    torch.testing.assert_close(got.top_logprobs, want[:, :num_logprobs])
+
+
 def test_rows_independent_and_reproducible():
     settings = [(1.0, 0, 1.0, 0.0), (0.9, 30, 0.9, 0.0), (1.5, 0, 0.95, 0.01)]
     logits = distinct_logits(3, 100, f32, seed=5)
