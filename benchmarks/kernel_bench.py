@@ -110,8 +110,10 @@ def decode_rows() -> list[dict]:
             err8 = ((out8.float() - ref.float()).norm() / ref.float().norm()).item()
             t8 = bench_ms(lambda a=args8, n=length, s=one: paged_decode(
                 *a, max_context_len=n, k_scale=s, v_scale=s))
+            block_n8, _, _ = decode_config(HEAD_DIM, dtype, k8.dtype)
+            splits8 = choose_num_splits(batch, num_kv_heads, length, block_n8, num_sms(q.device))
             rows.append(dict(
-                kernel="decode fp8", **common, paged_us=t8 * 1e3,
+                kernel="decode fp8", **{**common, "splits": splits8}, paged_us=t8 * 1e3,
                 paged_tbs=kv_bytes / 2 / t8 / 1e9, ratio=t8 / t_sdpa, rel_err=err8,
             ))
             del k8, v8
