@@ -1,6 +1,7 @@
 """Where one decode step's time goes: host work, graph replay, sampler, and top GPU kernels.
 
 python benchmarks/step_profile.py [--model PATH] [--batch 256] [--context 1000]
+    [--kv-cache-dtype fp8]
 python benchmarks/step_profile.py --model-shape qwen3-32b --tensor-parallel-size 2
 (--model-shape: random weights of that shape, load_format="dummy"; the profile is rank 0's)
 """
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=0.6, help="0: greedy")
     parser.add_argument("--model-shape", choices=list(bench.SHAPES), default=None)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args(argv)
     if args.model_shape is not None:
         model_dir, load_format = bench.config_only(args.model_shape), "dummy"
@@ -39,7 +41,8 @@ def main(argv: list[str] | None = None) -> None:
         model_dir = args.model or bench.random_model(bench.QWEN3_0_6B, "qwen3-0.6b", "cuda")
         load_format = "auto"
     llm = LLM(str(model_dir), max_model_len=4096, enforce_eager=args.eager,
-              tensor_parallel_size=args.tensor_parallel_size, load_format=load_format)  # fmt: skip
+              tensor_parallel_size=args.tensor_parallel_size, load_format=load_format,
+              kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     random.seed(0)
     params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=4000)
     s, runner = llm.scheduler, llm.runner
