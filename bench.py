@@ -18,6 +18,7 @@ machine without CUDA the workload shrinks (stated in the output) so it finishes 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -215,6 +216,26 @@ def run_hf(model_dir: Path, prompts, max_tokens, num: int) -> dict:
             "hf_tok_per_s": tokens / dt}  # fmt: skip
 
 
+@contextlib.contextmanager
+def new_kernel_variants():
+    """Yield a list that collects the Triton kernel variants first launched inside the block
+    (each one a compile, or a load from Triton's disk cache): a timed run should find none."""
+    found: list[str] = []
+    runtime = getattr(getattr(sys.modules.get("triton"), "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_cache_hook"):
+        yield found
+        return
+
+    def hook(*, repr: str, **_) -> None:
+        found.append(repr.split("[", 1)[0])
+
+    old, runtime.jit_cache_hook = runtime.jit_cache_hook, hook
+    try:
+        yield found
+    finally:
+        runtime.jit_cache_hook = old
+
+
 def warm_up(llm, prompts) -> None:
     """A short generate over the workload's first prompts, so Triton compiles the kernel
     variants its shapes need (they are cached on disk) before anything is timed."""
@@ -263,10 +284,11 @@ def _sampling_run(llm, row_prompts, outputs, setting, bw) -> dict:
     ]
     steps0, ahead0 = llm.scheduler.num_steps, llm.scheduler.num_advanced_steps
     torch.cuda.synchronize()
-    t = time.perf_counter()
-    outs = llm.generate(row_prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - t
+    with new_kernel_variants() as variants:
+        t = time.perf_counter()
+        outs = llm.generate(row_prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     # Roofline: every sample reads its own KV (shared prompt blocks read once per sample).
     roof_s = decode_roofline_bytes(llm, row_prompts * n, outputs * n) / (bw * 1e12)
@@ -274,7 +296,7 @@ def _sampling_run(llm, row_prompts, outputs, setting, bw) -> dict:
         output_tokens=tokens, seconds=seconds, tok_per_s=tokens / seconds,
         fraction_of_roofline=roof_s / seconds, preemptions=llm.scheduler.num_preemptions,
         async_step_fraction=(llm.scheduler.num_advanced_steps - ahead0)
-        / max(1, llm.scheduler.num_steps - steps0),
+        / max(1, llm.scheduler.num_steps - steps0), kernel_variants_in_timed_run=variants,
     )  # fmt: skip
 
 
@@ -316,13 +338,15 @@ def run_sampling(args) -> dict:
             runs.append(row)
             best = min(runs, key=lambda r: r["seconds"])
             result["settings"][name].update(best)
+            new = sorted(set(row["kernel_variants_in_timed_run"]))
             print(
                 f"{name:28s} {row['output_tokens']:7d} tok {row['seconds']:6.2f} s "
                 f"{row['tok_per_s']:8.0f} tok/s "
                 f"{100 * row['fraction_of_roofline']:5.1f}% of roofline, "
-                f"{100 * row['async_step_fraction']:3.0f}% async (round {round_index + 1})",
+                f"{100 * row['async_step_fraction']:3.0f}% async (round {round_index + 1})"
+                + (f"; new kernel variants: {', '.join(new)}" if new else ""),
                 flush=True,
-            )
+            )  # fmt: skip
     base = result["settings"]["greedy"]["tok_per_s"]
     print(f"fastest of {args.rounds} run(s) each:")
     for name, row in result["settings"].items():
@@ -483,11 +507,12 @@ def run_throughput(args, model_dir: Path, prompts, max_tokens, kv_cache_dtype: s
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
     if cuda:
         torch.cuda.synchronize()
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t
+    with new_kernel_variants() as variants:
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     result = {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
@@ -511,6 +536,7 @@ def run_throughput(args, model_dir: Path, prompts, max_tokens, kv_cache_dtype: s
         "tensor_parallel_size": args.tensor_parallel_size,
         "load_format": args.load_format,
         "kv_cache_dtype": kv_cache_dtype,
+        "kernel_variants_in_timed_run": variants,
     }
     if cuda:
         bw = copy_bandwidth_tbps()
@@ -536,6 +562,9 @@ def run_throughput(args, model_dir: Path, prompts, max_tokens, kv_cache_dtype: s
             f" s = {result['roofline_tok_per_s']:.0f} tok/s; achieved "
             f"{100 * result['fraction_of_roofline']:.1f}% of it"
         )
+    if variants:
+        print(f"kernel variants first launched inside the timed run: {len(variants)} "
+              f"({', '.join(sorted(set(variants)))})")  # fmt: skip
     llm.shutdown()  # tensor-parallel workers
     return result
 

@@ -447,8 +447,11 @@ class ModelRunner:
         nd = int(np.argmax(q_lens != 1)) if max_seqlen_q > 1 else 0
         cu_prefill = put(cu[nd:] - cu[nd]) if nd else None
         decodes = len(q_lens) if max_seqlen_q == 1 else nd
+        # Every decode launch passes an order, one row's too: the decode graphs compiled the
+        # kernel's ordered variants, and an unordered one would compile inside a running
+        # generate (a mixed step with one decode row did, on a fresh Triton cache).
         order = None
-        if self.backend.triton and decodes > 1:
+        if self.backend.triton and decodes > 0:
             order = put(longest_first(context_lens[:decodes]))
         return put(host["positions"]), AttentionMetadata(
             slot_mapping=put(host["slots"]),
