@@ -25,6 +25,7 @@ from nanopaged.kernels import (
     rms_norm,
     rotary,
     sampler,
+    sampler_chunks,
     silu_and_mul,
     skinny_gemm,
     store_kv,
@@ -217,7 +218,7 @@ TRITON = Backend(
     silu_and_mul=_silu_and_mul_triton,
     fused_moe=fused_moe.fused_moe,
     sample=sampler.sample_fused,
-    argmax=sampler.argmax_fused,
+    argmax=sampler_chunks.argmax_fused,
     penalize_rows=penalties.penalize_rows,
 )
 
