@@ -1,4 +1,9 @@
-"""Asynchronous scheduling (step N+1 planned before step N's samples arrive) changes nothing."""
+"""Asynchronous scheduling (step N+1 planned before step N's samples arrive) changes nothing.
+
+Every LLM here runs on the CPU, also on a machine with a GPU: these tests compare outputs
+token for token across runs whose batches and cached prefixes differ, which the CPU path
+computes bit for bit alike and the GPU kernels need not (their sums follow the batch's shape);
+tests/e2e/test_gpu.py covers asynchronous scheduling on CUDA."""
 
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def _run(path, async_scheduling: bool, prompts, params, **kw):
-    llm = LLM(str(path), kv_cache_memory=1 << 22, async_scheduling=async_scheduling, **kw)
+    llm = LLM(str(path), kv_cache_memory=1 << 22, async_scheduling=async_scheduling,
+              device="cpu", **kw)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert not llm.scheduler.has_unfinished()
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
@@ -91,7 +97,7 @@ def test_stop_strings_and_forked_samples_run_ahead(model_dir):
     """Stop strings are checked as samples arrive and n > 1 samples after their fork are plain
     rows: both run asynchronously and give exactly the synchronous outputs."""
     prompts = _prompts(6, seed=4)
-    llm0 = LLM(str(model_dir), kv_cache_memory=1 << 22)
+    llm0 = LLM(str(model_dir), kv_cache_memory=1 << 22, device="cpu")
     # Stop strings taken from the greedy continuations, so several of them do match.
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     texts = [o.outputs[0].text for o in llm0.generate(prompts, greedy, use_tqdm=False)]
@@ -106,11 +112,10 @@ def test_stop_strings_and_forked_samples_run_ahead(model_dir):
     _, sync = _run(model_dir, False, prompts, params)
     llm, _ = _run(model_dir, True, prompts, params)
     lookahead = llm.generate(prompts, params, use_tqdm=False)
+    sync_llm = LLM(str(model_dir), kv_cache_memory=1 << 22, async_scheduling=False, device="cpu")
     sync_all = [
         [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs]
-        for o in LLM(str(model_dir), kv_cache_memory=1 << 22, async_scheduling=False).generate(
-            prompts, params, use_tqdm=False
-        )
+        for o in sync_llm.generate(prompts, params, use_tqdm=False)
     ]
     got = [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs]
            for o in lookahead]  # fmt: skip
@@ -130,7 +135,8 @@ def test_logprobs_run_ahead_and_equal_sync(model_dir):
     ]
 
     def run(async_scheduling):
-        llm = LLM(str(model_dir), kv_cache_memory=1 << 22, async_scheduling=async_scheduling)
+        llm = LLM(str(model_dir), kv_cache_memory=1 << 22, async_scheduling=async_scheduling,
+                  device="cpu")
         outs = llm.generate(prompts, params, use_tqdm=False)
         return llm, [
             (c.token_ids, c.cumulative_logprob,
@@ -185,7 +191,7 @@ def test_penalties_run_ahead(model_dir):
         assert {t: x.rank for t, x in a.items()} == {t: x.rank for t, x in b.items()}
         assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
     # The penalties did change the tokens (greedy rows against the same rows without them).
-    plain = LLM(str(model_dir), kv_cache_memory=1 << 22).generate(
+    plain = LLM(str(model_dir), kv_cache_memory=1 << 22, device="cpu").generate(
         [prompts[0], prompts[3]],
         [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (24, 20)],
         use_tqdm=False,
