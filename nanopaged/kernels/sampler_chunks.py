@@ -67,7 +67,7 @@ if triton is not None:
                             BLOCK: tl.constexpr, SUMS: tl.constexpr):
         # Program (row, chunk): the chunk's largest raw logit; with SUMS the sum of exp(raw -
         # that maximum) (0 for a chunk all -inf).
-        _, idx, raw, out = _load_chunk(logits_ptr, vocab, stride_row, BLOCK)
+        _, _, raw, out = _load_chunk(logits_ptr, vocab, stride_row, BLOCK)
         m = tl.max(raw)
         tl.store(maxes_ptr + out, m)
         if SUMS:
@@ -303,7 +303,7 @@ if triton is not None:
                               R: tl.constexpr):
         # Program (row, chunk) of a row with top-p: the chunk's e = exp(x - x_max) summed, then
         # over the tokens above each point of the row's frontier (strictly greater raw values).
-        row64, idx, raw, out = _load_chunk(logits_ptr, vocab, stride_row, BLOCK)
+        row64, _, raw, out = _load_chunk(logits_ptr, vocab, stride_row, BLOCK)
         row = tl.program_id(0)
         temp = tl.load(temps_ptr + row)
         if (temp != 0.0) & (tl.load(top_ps_ptr + row) < 1.0):
