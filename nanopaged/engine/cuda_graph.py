@@ -1,16 +1,21 @@
-"""Decode steps replayed from CUDA graphs captured per batch-size bucket."""
+"""Decode steps replayed from CUDA graphs captured per batch-size bucket: the forward pass,
+then (for steps that sample nothing but one plain token per row) the LM head and the sampler."""
 
 from __future__ import annotations
 
 import bisect
+from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
+from nanopaged.engine.sampling import SlotSettings
 from nanopaged.kernels.paged_decode import longest_first
 from nanopaged.layers.attention import AttentionMetadata
 from nanopaged.layers.backend import graph_gemms
+from nanopaged.layers.sampler import SAMPLER_PATHS, SamplingTensors, sample, sampler_path, with_path
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -25,6 +30,11 @@ class DecodeGraphs:
 
     The block-table buffer is as wide as max_model_len needs, so no step can overflow it, and
     padded rows get slot -1 and context 0: they store nothing and read nothing.
+
+    With lm_head (hidden [rows, hidden_size] -> logits [rows, vocab]), each bucket also holds
+    one captured sampler per path of SAMPLER_PATHS: hidden -> logits -> token ids, reading its
+    per-row settings from `slots` (persistent; padded rows greedy). A step that samples in the
+    graph replays its forward and then its sampler, with no Python in between.
     """
 
     def __init__(
@@ -36,8 +46,10 @@ class DecodeGraphs:
         hidden_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.model = model
+        self.lm_head = lm_head
         self.max_model_len = max_model_len
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         max_bs = self.batch_sizes[-1]
@@ -52,6 +64,11 @@ class DecodeGraphs:
         self.decode_order = torch.arange(max_bs, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.slots = SlotSettings(max_bs, device)
+        # The captured samplers' token ids (outside the graphs' pool: no capture reuses them).
+        self.tokens = torch.zeros(max_bs, dtype=torch.long, device=device)
+        self.samplers: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        self.sampled_steps: Counter[str] = Counter()  # per sampler path: steps sampled here
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -77,10 +94,36 @@ class DecodeGraphs:
                     self.hidden[:bs] = self.model(*args)
             pool = graph.pool()
             self.graphs[bs] = graph
+            if self.lm_head is not None:
+                for path in SAMPLER_PATHS:
+                    st = with_path(self.slot_view(bs), path)
+                    self._sample(bs, st)  # compiles this batch size's kernels
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._sample(bs, st)
+                    self.samplers[bs, path] = graph
         torch.cuda.synchronize()
+
+    def slot_view(self, rows: int) -> SamplingTensors:
+        """The first rows of the persistent settings, as the samplers read them."""
+        v, i = self.slots.values, self.slots.ints
+        return SamplingTensors(
+            temperatures=v[0, :rows], top_ps=v[1, :rows], min_ps=v[2, :rows],
+            top_ks=self.slots.top_ks[:rows], seeds=i[1, :rows], offsets=i[2, :rows],
+        )  # fmt: skip
+
+    def _sample(self, bs: int, st: SamplingTensors) -> None:
+        # The LM head runs as in eager steps (cuBLAS): the skinny kernel is tuned for the
+        # layers' shapes, not a 150k-row vocabulary.
+        self.tokens[:bs] = sample(self.lm_head(self.hidden[:bs]), st).token_ids
 
     def can_run(self, batch_size: int) -> bool:
         return bool(self.graphs) and batch_size <= self.batch_sizes[-1]
+
+    @property
+    def can_sample(self) -> bool:
+        return bool(self.samplers)
 
     def run(
         self,
@@ -90,8 +133,11 @@ class DecodeGraphs:
         tables: np.ndarray,
         context_lens: np.ndarray,
         pending: tuple[torch.Tensor | None, torch.Tensor] | None = None,
+        sampling: SamplingTensors | None = None,
     ) -> torch.Tensor:
-        """One decode step for len(input_ids) sequences; returns hidden [batch, hidden_size].
+        """One decode step for len(input_ids) sequences; returns hidden [batch, hidden_size],
+        or with sampling (settings in self.slots, as sampling_tensors(into=self.slots) wrote
+        them) the sampled token ids [batch] int64.
 
         pending: (rows, token ids) already on the device that overwrite those input ids; rows
         None: the token ids are all of them, in order.
@@ -116,4 +162,12 @@ class DecodeGraphs:
             order = np.concatenate([order, np.arange(bs, bucket, dtype=np.int32)])
         self.decode_order[:bucket].copy_(torch.from_numpy(order), non_blocking=True)
         self.graphs[bucket].replay()
-        return self.hidden[:bs]
+        if sampling is None:
+            return self.hidden[:bs]
+        assert sampling.temperatures.data_ptr() == self.slots.values.data_ptr()
+        path = sampler_path(sampling)
+        self.samplers[bucket, path].replay()
+        self.sampled_steps[path] += 1
+        # A copy: the next replay overwrites the buffer, and the step's tokens are read later
+        # (the next steps' input ids and penalty counts take them from the device).
+        return self.tokens[:bs].clone()

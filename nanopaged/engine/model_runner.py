@@ -21,6 +21,7 @@ from nanopaged.engine.host_memory import keep_freed_memory
 from nanopaged.engine.penalty_counts import PenaltyCounts
 from nanopaged.engine.sample_output import SampleOutput, StepLogprobs
 from nanopaged.engine.sampling import (
+    SlotSettings,
     mask_early_stops,
     needs_sample_outputs,
     penalize,
@@ -38,7 +39,7 @@ from nanopaged.kernels.store_kv import is_fp8
 from nanopaged.layers.attention import Attention, AttentionMetadata
 from nanopaged.layers.backend import backend_for, bind_backend
 from nanopaged.layers.cpu_gemm import pack_model
-from nanopaged.layers.sampler import SamplingTensors, greedy_tokens, sample
+from nanopaged.layers.sampler import SamplingTensors, greedy_tokens, sample, with_path
 from nanopaged.loader import load_dummy_weights, load_weights
 from nanopaged.models import build_model
 from nanopaged.models.llama import checkpoint_shapes
@@ -251,6 +252,8 @@ class ModelRunner:
                 model_config.hidden_size,
                 dtype,
                 device,
+                # One GPU: the LM head and the sampler inside the graphs too.
+                lm_head=self.model.compute_logits if self.tp.size == 1 else None,
             )
             self.graphs.capture()
         if device.type == "cuda" and self.tp.rank == 0:
@@ -349,7 +352,13 @@ class ModelRunner:
                 table = (tables * self.config.max_num_seqs)[: len(decode_lens)]
                 positions, meta = self._metadata(decode_lens, starts, table)
                 ids = torch.zeros(len(decode_lens), dtype=torch.long, device=self.device)
-                self.model(ids, positions, meta)
+                hidden = self.model(ids, positions, meta)
+                if self.tp.size == 1:  # the captured samplers' logits and scratch too
+                    logits = self.model.compute_logits(hidden)
+                    st = self._profile_sampling(logits, num_logprobs=0)
+                    sample(logits, with_path(st, "frontier"))
+                    del logits
+                del hidden
                 torch.cuda.synchronize()
                 graph_bytes = torch.cuda.max_memory_allocated() - before
         torch.cuda.synchronize()
@@ -472,12 +481,14 @@ class ModelRunner:
             decode_order=order,
         )
 
-    def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+    def _sampling_tensors(
+        self, seqs: list[Sequence], into: SlotSettings | None = None
+    ) -> SamplingTensors:
         """Per-row settings, kept on the device while consecutive steps sample the same
         sequences: then each row's offset (its output position) just moves on by one, on the
-        device, with no copy from the host."""
+        device, with no copy from the host. into: in the decode graphs' persistent settings."""
         offsets = [s.num_output_tokens for s in seqs]
-        key = tuple(s.seq_id for s in seqs)
+        key = (tuple(s.seq_id for s in seqs), into is not None)
         cached = self._sampling_cache
         if cached is not None and cached[0] == key:
             _, st, last = cached
@@ -490,9 +501,37 @@ class ModelRunner:
             self._sampling_cache = (key, st, offsets)
             return st
         params = [s.sampling_params for s in seqs]
-        st = sampling_tensors(params, [row_stream(s) for s in seqs], offsets, self.device)
+        st = sampling_tensors(params, [row_stream(s) for s in seqs], offsets, self.device, into)
         self._sampling_cache = (key, st, offsets)
         return st
+
+    def _graph_decode(self, step: StepInputs) -> bool:
+        """Whether the step's forward replays a decode graph: one token per sequence, in a
+        batch no larger than the largest bucket."""
+        batch_size = len(step.context_lens)
+        return (
+            self.graphs is not None
+            and len(step.input_ids) == batch_size
+            and self.graphs.can_run(batch_size)
+        )
+
+    def _graph_sampling(self, step: StepInputs, seqs: list[Sequence]) -> SamplingTensors | None:
+        """The settings to sample the step inside its decode graph, or None when it samples
+        outside: the one place that decides. Inside: every row of a graph-replayed decode
+        step samples one plain token (no logprobs, penalties, logit controls, min_tokens
+        masking, fork or beam: needs_sample_outputs), on one GPU."""
+        graphs = self.graphs
+        if graphs is None or not graphs.can_sample or not self._graph_decode(step):
+            return None
+        if not _is_arange(step.logits_indices, len(step.context_lens)):
+            return None
+        for seq in seqs:
+            p = seq.sampling_params
+            if p.logprobs is not None or p.has_penalties or seq.num_output_tokens < p.min_tokens:
+                return None
+        if needs_sample_outputs(seqs):
+            return None
+        return self._sampling_tensors(seqs, graphs.slots)
 
     def run(
         self, batch: ScheduledBatch, eos_token_ids: set[int]
@@ -514,14 +553,15 @@ class ModelRunner:
         step = self._step_inputs(batch)
         if self.workers is not None:
             self.workers.publish(step)  # tensor parallel: every rank runs the same step
-        logits = self.execute(step, prev)
+        sampled_seqs = [seqs[i] for i in range(len(seqs)) if batch.samples(i)]
+        in_graph = self._graph_sampling(step, sampled_seqs)
+        logits = self.execute(step, prev, in_graph)
         if self.workers is not None:
             self.workers.step_done()
         if logits is None:
             return StepHandle(outputs=[])
-        if step.samples_sharded:  # the ranks sampled their vocabulary shards: token ids
+        if step.samples_sharded or in_graph is not None:  # sampled already: token ids
             return StepHandle.copy_to_host(logits)
-        sampled_seqs = [seqs[i] for i in range(len(seqs)) if batch.samples(i)]
         pending = None if prev is None else prev.tokens
         counts = None
         if any(s.sampling_params.has_penalties for s in sampled_seqs):
@@ -587,11 +627,14 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, step: StepInputs, prev: StepHandle | None) -> torch.Tensor | None:
+    def execute(
+        self, step: StepInputs, prev: StepHandle | None, sampling: SamplingTensors | None = None
+    ) -> torch.Tensor | None:
         """Block ops and the forward pass of one step, on rank 0 its logits rows to sample
         ([rows, vocab] in the model's dtype: the sampler reads them as they are, and bf16/fp16
-        -> fp32 is exact), or, when step.samples_sharded, the rows' sampled token ids; None
-        when nothing samples or this rank is not rank 0."""
+        -> fp32 is exact), or the rows' sampled token ids when step.samples_sharded or with
+        sampling (from _graph_sampling: sampled inside the decode graph); None when nothing
+        samples or this rank is not rank 0."""
         # Swaps and copy-on-write copies go before the forward (and outside any CUDA graph).
         run_block_ops(
             self.kv_cache,
@@ -600,12 +643,8 @@ class ModelRunner:
             step.blocks_to_swap_in,
             step.blocks_to_copy,
         )
-        batch_size = len(step.context_lens)
         pending = self._pending_tensors(step, prev)
-        num_tokens = len(step.input_ids)
-        if self.graphs is not None and num_tokens == batch_size and self.graphs.can_run(
-            batch_size
-        ):
+        if self._graph_decode(step):
             hidden = self.graphs.run(
                 step.input_ids,
                 step.positions,
@@ -613,7 +652,10 @@ class ModelRunner:
                 step.tables,
                 step.context_lens,
                 pending=pending,
+                sampling=sampling,
             )
+            if sampling is not None:
+                return hidden  # token ids
         else:
             positions, meta = self._device_metadata(
                 dict(positions=step.positions, slots=step.slots, tables=step.tables,

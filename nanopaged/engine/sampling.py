@@ -44,28 +44,62 @@ def sample_seed(seed: int, index: int) -> int:
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
+class SlotSettings:
+    """Sampling settings of up to `slots` rows in persistent device tensors, which CUDA graphs'
+    captured samplers read (engine/cuda_graph.py). sampling_tensors(into=...) rewrites them
+    when a step's sequences change; rows past its batch are greedy."""
+
+    def __init__(self, slots: int, device: torch.device) -> None:
+        self.values = torch.zeros(3, slots, dtype=torch.float32, device=device)  # temp, p, min-p
+        self.values[1] = 1.0
+        self.ints = torch.zeros(3, slots, dtype=torch.int64, device=device)  # top-k, seed, offset
+        self.top_ks = torch.zeros(slots, dtype=torch.int32, device=device)
+
+    @property
+    def slots(self) -> int:
+        return self.values.shape[1]
+
+
 def sampling_tensors(
     params: list[SamplingParams],
     seeds: list[int],
     offsets: list[int],
     device: torch.device,
+    into: SlotSettings | None = None,
 ) -> SamplingTensors:
-    """One step's per-row settings, in two host-to-device copies."""
+    """One step's per-row settings, in two host-to-device copies (into: written to those
+    persistent tensors, the returned ones their first rows)."""
+    n = len(params)
+    pad = 0 if into is None else into.slots - n
+    if pad < 0:
+        raise ValueError(f"{n} rows of sampling settings do not fit {into.slots} slots")
     # values: [3, batch] = temperature, top_p, min_p; ints: [3, batch] = top_k, seed, offset
     values = torch.tensor(
-        [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
+        [[p.temperature for p in params] + [0.0] * pad,
+         [p.top_p for p in params] + [1.0] * pad,
+         [p.min_p for p in params] + [0.0] * pad],
         dtype=torch.float32,
+    )  # fmt: skip
+    ints = torch.tensor(
+        [[max(p.top_k, 0) for p in params] + [0] * pad, seeds + [0] * pad, offsets + [0] * pad],
+        dtype=torch.int64,
     )
-    ints = torch.tensor([[max(p.top_k, 0) for p in params], seeds, offsets], dtype=torch.int64)
     if device.type == "cuda":  # from page-locked memory, so the copy does not wait
         values, ints = values.pin_memory(), ints.pin_memory()
-    values = values.to(device, non_blocking=True)
-    ints = ints.to(device, non_blocking=True)
+    if into is None:
+        values = values.to(device, non_blocking=True)
+        ints = ints.to(device, non_blocking=True)
+        top_ks = ints[0].to(torch.int32)
+    else:
+        into.values.copy_(values, non_blocking=True)
+        into.ints.copy_(ints, non_blocking=True)
+        into.top_ks.copy_(into.ints[0])
+        values, ints, top_ks = into.values[:, :n], into.ints[:, :n], into.top_ks[:n]
     return SamplingTensors(
         temperatures=values[0],
         top_ps=values[1],
         min_ps=values[2],
-        top_ks=ints[0].to(torch.int32),
+        top_ks=top_ks,
         seeds=ints[1],
         offsets=ints[2],
         all_greedy=all(p.greedy for p in params),

@@ -8,7 +8,7 @@ so a row's token depends on its own logits and settings only, never on the batch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,6 +39,34 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """logits [batch, vocab] -> logits.argmax(dim=-1) on the logits' device: each row's first
     maximum (a NaN counts as the maximum, as in argmax)."""
     return backend_for(logits.device).argmax(logits)
+
+
+# The sampler's paths, as sample() picks them from a step's flags: argmax; chunked draws
+# without a search, with or without the rows' maxima for min-p; the chunked top-p draw of rows
+# without top-k; the full kernel. CUDA graphs capture one sampler per path (cuda_graph.py).
+SAMPLER_PATHS = ("greedy", "plain", "plain_min_p", "frontier", "full")
+
+
+def sampler_path(st: SamplingTensors) -> str:
+    """Which of SAMPLER_PATHS sample(logits, st) takes without logprobs."""
+    if st.all_greedy:
+        return "greedy"
+    if st.all_plain:
+        return "plain_min_p" if st.any_min_p else "plain"
+    return "full" if st.any_top_k else "frontier"
+
+
+def with_path(st: SamplingTensors, path: str) -> SamplingTensors:
+    """st's tensors with the flags that make sample() take `path` (one of SAMPLER_PATHS)."""
+    if path not in SAMPLER_PATHS:
+        raise ValueError(f"sampler path must be one of {SAMPLER_PATHS}, got {path!r}")
+    return replace(
+        st,
+        all_greedy=path == "greedy",
+        all_plain=path.startswith("plain"),
+        any_min_p=path != "plain",
+        any_top_k=path == "full",
+    )
 
 
 def sample(

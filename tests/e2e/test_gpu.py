@@ -60,6 +60,58 @@ def test_cuda_graphs_equal_eager(qwen3, num_prompts):
     assert results[0] == results[1]
 
 
+GRAPH_SAMPLING = {
+    "greedy": [dict(temperature=0)],
+    "plain": [dict(temperature=0.8), dict(temperature=0)],
+    "plain_min_p": [dict(temperature=0.8, min_p=0.05)],
+    "frontier": [dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, min_p=0.1, top_p=0.5)],
+    "full": [dict(temperature=0.7, top_k=20), dict(temperature=0), dict(top_p=0.8)],
+}
+
+
+@pytest.mark.parametrize("path", list(GRAPH_SAMPLING))
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_graph_sampling_equals_eager(qwen3, path, async_scheduling):
+    """The LM head and the sampler captured in the decode graphs give eager mode's tokens, for
+    every sampler path, batch sizes between buckets (13 pads to 16, then fewer as requests
+    finish) included."""
+    prompts = _prompts(13, seed=3)
+    settings = GRAPH_SAMPLING[path]
+    params = [SamplingParams(max_tokens=8 + 2 * i, ignore_eos=True, seed=i,
+                             **settings[i % len(settings)])
+              for i in range(len(prompts))]  # fmt: skip
+    results = []
+    for eager in (True, False):
+        llm = LLM(str(qwen3), dtype="float32", device="cuda", enforce_eager=eager,
+                  max_num_seqs=16, kv_cache_memory=1 << 28,
+                  async_scheduling=async_scheduling)  # fmt: skip
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([o.outputs[0].token_ids for o in outs])
+        if not eager:
+            sampled = llm.runner.graphs.sampled_steps
+            assert set(sampled) == {path} and sampled[path] > 0, sampled
+        del llm
+    assert results[0] == results[1]
+
+
+def test_steps_with_logprobs_sample_outside_the_graph(qwen3):
+    prompts = _prompts(5, seed=4)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=8, logprobs=2)
+    results = []
+    for eager in (True, False):
+        llm = LLM(str(qwen3), dtype="float32", device="cuda", enforce_eager=eager,
+                  max_num_seqs=8, kv_cache_memory=1 << 28)  # fmt: skip
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)
+                        for o in outs])  # fmt: skip
+        if not eager:
+            assert not llm.runner.graphs.sampled_steps
+        del llm
+    # The same tokens; their logprobs within fp32 rounding of the two forward passes.
+    assert [r[0] for r in results[0]] == [r[0] for r in results[1]]
+    assert [r[1] for r in results[0]] == pytest.approx([r[1] for r in results[1]], rel=1e-5)
+
+
 def test_bf16_teacher_forced_argmax_agrees_with_hf(qwen3):
     """Prefill over whole sequences in bf16: per-position argmax vs HF fp32 >= 95%."""
     import transformers

@@ -1,0 +1,191 @@
+"""Sampling inside the decode graphs: the persistent per-slot settings, the sampler paths a
+graph captures, and the one decision of which steps sample there (on CPU, with a stand-in for
+the graphs; tests/e2e/test_gpu.py replays the real ones)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import make_tiny_model
+
+from nanopaged import LLM, SamplingParams
+from nanopaged.engine.group import SequenceGroup
+from nanopaged.engine.sampling import SlotSettings, sampling_tensors
+from nanopaged.engine.sequence import Sequence
+from nanopaged.engine.step_inputs import StepInputs
+from nanopaged.layers.sampler import SAMPLER_PATHS, sample, sampler_path, with_path
+from nanopaged.sampling_params import BeamSearchParams
+
+SLOTS = 8
+
+
+@pytest.mark.parametrize("path", SAMPLER_PATHS)
+def test_with_path_flags_select_that_path(path):
+    st = sampling_tensors([SamplingParams(top_k=5)], [1], [0], torch.device("cpu"))
+    assert sampler_path(st) == "full"
+    assert sampler_path(with_path(st, path)) == path
+
+
+def test_with_path_rejects_an_unknown_path():
+    st = sampling_tensors([SamplingParams()], [1], [0], torch.device("cpu"))
+    with pytest.raises(ValueError, match="sampler path must be one of"):
+        with_path(st, "fast")
+
+
+def test_sampler_path_follows_the_rows_settings():
+    cpu = torch.device("cpu")
+
+    def path(*params):
+        return sampler_path(sampling_tensors(list(params), [0] * len(params),
+                                             [0] * len(params), cpu))  # fmt: skip
+
+    greedy, hot = SamplingParams(temperature=0), SamplingParams(temperature=0.8)
+    assert path(greedy, greedy) == "greedy"
+    assert path(greedy, hot) == "plain"
+    assert path(hot, SamplingParams(min_p=0.1)) == "plain_min_p"
+    assert path(hot, SamplingParams(top_p=0.9, min_p=0.1)) == "frontier"
+    assert path(SamplingParams(top_p=0.9), SamplingParams(top_k=3)) == "full"
+
+
+def test_slot_settings_hold_the_rows_and_greedy_padding():
+    cpu = torch.device("cpu")
+    slots = SlotSettings(SLOTS, cpu)
+    params = [SamplingParams(temperature=0.7, top_p=0.9, seed=3),
+              SamplingParams(temperature=1.2, top_k=7, min_p=0.05)]  # fmt: skip
+    fresh = sampling_tensors(params, [11, -5], [4, 9], cpu)
+    st = sampling_tensors(params, [11, -5], [4, 9], cpu, into=slots)
+    for name in ("temperatures", "top_ks", "top_ps", "min_ps", "seeds", "offsets"):
+        got, want = getattr(st, name), getattr(fresh, name)
+        assert torch.equal(got, want), name
+        assert got.dtype == want.dtype and got.is_contiguous()
+    for flag in ("all_greedy", "all_plain", "any_min_p", "any_top_k"):
+        assert getattr(st, flag) == getattr(fresh, flag), flag
+    # The views are the persistent tensors' first rows: an in-place bump reaches the slots.
+    assert st.temperatures.data_ptr() == slots.values.data_ptr()
+    st.offsets.add_(1)
+    assert slots.ints[2, :2].tolist() == [5, 10]
+    # Rows past the batch are greedy with no filters; fewer rows later reset the rest.
+    sampling_tensors(params[:1], [11], [4], cpu, into=slots)
+    assert slots.values[:, 1:].tolist() == [[0.0] * 7, [1.0] * 7, [0.0] * 7]
+    assert slots.ints[:, 1:].eq(0).all() and slots.top_ks[1:].eq(0).all()
+    with pytest.raises(ValueError, match="do not fit 8 slots"):
+        sampling_tensors([SamplingParams()] * 9, [0] * 9, [0] * 9, cpu, into=slots)
+
+
+def test_slot_settings_sample_like_fresh_tensors():
+    """The sampler reads the persistent views as it reads a step's own tensors."""
+    cpu = torch.device("cpu")
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0.9, top_p=0.8), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.1, top_k=4, min_p=0.02)]  # fmt: skip
+    seeds, offsets = [5, 6, 7], [0, 3, 8]
+    fresh = sampling_tensors(params, seeds, offsets, cpu)
+    slotted = sampling_tensors(params, seeds, offsets, cpu, into=SlotSettings(SLOTS, cpu))
+    assert torch.equal(sample(logits, slotted).token_ids, sample(logits, fresh).token_ids)
+
+
+# ---- the decision -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    model = make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
+    llm = LLM(str(model), dtype="float32", device="cpu", kv_cache_memory=1 << 22)
+    runner = llm.runner
+    assert runner.graphs is None  # CPU: no graphs, so nothing samples in one
+    return runner
+
+
+@pytest.fixture
+def graphs(runner):
+    """A stand-in for the decode graphs of buckets up to SLOTS rows, sampling included."""
+    stand_in = SimpleNamespace(can_sample=True, can_run=lambda bs: bs <= SLOTS,
+                               slots=SlotSettings(SLOTS, runner.device))  # fmt: skip
+    runner.graphs, runner._sampling_cache = stand_in, None
+    yield stand_in
+    runner.graphs, runner._sampling_cache = None, None
+
+
+def _decode_step(n: int, tokens_per_row: int = 1) -> StepInputs:
+    num = n * tokens_per_row
+    z = np.zeros(num, dtype=np.int64)
+    return StepInputs(
+        input_ids=z, positions=z, slots=z, tables=np.zeros((n, 1), dtype=np.int32),
+        context_lens=np.full(n, tokens_per_row, dtype=np.int32),
+        cu_seqlens_q=np.arange(n + 1, dtype=np.int32) * tokens_per_row,
+        logits_indices=np.arange(1, n + 1, dtype=np.int64) * tokens_per_row - 1,
+        blocks_to_swap_out=[], blocks_to_swap_in=[], blocks_to_copy=[],
+        pending_dst=np.zeros(0, dtype=np.int64), pending_src=np.zeros(0, dtype=np.int64),
+    )  # fmt: skip
+
+
+def _seqs(*params: SamplingParams, outputs: int = 1) -> list[Sequence]:
+    seqs = []
+    for p in params:
+        seq = Sequence([1, 2, 3], p)
+        seq.token_ids += [4] * outputs
+        seq.seed = 123
+        seqs.append(seq)
+    return seqs
+
+
+def test_plain_decode_steps_sample_in_the_graph(runner, graphs):
+    seqs = _seqs(SamplingParams(temperature=0.8, top_p=0.95, seed=1),
+                 SamplingParams(temperature=0), SamplingParams(top_k=40, min_p=0.05))  # fmt: skip
+    st = runner._graph_sampling(_decode_step(3), seqs)
+    assert st is not None and sampler_path(st) == "full"
+    assert st.temperatures.data_ptr() == graphs.slots.values.data_ptr()
+    assert graphs.slots.values[0, :3].tolist() == pytest.approx([0.8, 0.0, 1.0])
+    assert graphs.slots.ints[2, :3].tolist() == [1, 1, 1]  # each row's output position
+    # The next step of the same sequences moves the offsets on in place.
+    for seq in seqs:
+        seq.token_ids.append(5)
+    again = runner._graph_sampling(_decode_step(3), seqs)
+    assert again is st and graphs.slots.ints[2, :3].tolist() == [2, 2, 2]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(logprobs=2),
+        SamplingParams(logprobs=0),
+        SamplingParams(presence_penalty=0.5),
+        SamplingParams(repetition_penalty=1.2),
+        SamplingParams(min_tokens=4),  # one output so far: EOS still masked
+        SamplingParams(logit_bias={3: 2.0}),
+        SamplingParams(allowed_token_ids=[1, 2]),
+    ],
+    ids=["logprobs", "logprobs0", "presence", "repetition", "min_tokens", "bias", "allowed"],
+)
+def test_rows_that_need_more_than_a_token_sample_outside(runner, graphs, params):
+    seqs = _seqs(SamplingParams(temperature=0.7), params)
+    assert runner._graph_sampling(_decode_step(2), seqs) is None
+    # min_tokens reached: the row is plain again.
+    if params.min_tokens:
+        assert runner._graph_sampling(_decode_step(2), _seqs(params, outputs=4)) is not None
+
+
+def test_forks_and_beams_sample_outside(runner, graphs):
+    fork = _seqs(SamplingParams(n=3, temperature=0.9))[0]
+    SequenceGroup("a", fork)  # its first sample forks it: n tokens from one row
+    assert runner._graph_sampling(_decode_step(1), [fork]) is None
+    fork.group.mark_forked()  # forked samples are plain rows again
+    assert runner._graph_sampling(_decode_step(1), [fork]) is not None
+    beam = _seqs(SamplingParams(temperature=0))[0]
+    SequenceGroup("b", beam, BeamSearchParams(beam_width=2, max_tokens=8))
+    assert runner._graph_sampling(_decode_step(1), [beam]) is None
+
+
+def test_steps_off_the_graph_sample_outside(runner, graphs):
+    seqs = _seqs(*[SamplingParams(temperature=0.5)] * (SLOTS + 1))
+    assert runner._graph_sampling(_decode_step(SLOTS + 1), seqs) is None  # past the buckets
+    two = seqs[:2]
+    assert runner._graph_sampling(_decode_step(2, tokens_per_row=3), two) is None  # prefill
+    step = _decode_step(2)
+    step.logits_indices = np.array([1], dtype=np.int64)  # a row that does not sample
+    assert runner._graph_sampling(step, two[1:]) is None
+    graphs.can_sample = False  # tensor parallel: graphs without samplers
+    assert runner._graph_sampling(_decode_step(2), two) is None
