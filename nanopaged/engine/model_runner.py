@@ -32,8 +32,7 @@ from nanopaged.engine.sampling import (
 from nanopaged.engine.scheduler import ScheduledBatch
 from nanopaged.engine.sequence import Sequence
 from nanopaged.engine.step_inputs import StepInputs
-from nanopaged.engine.swap import allocate_cpu_kv_cache, run_block_ops
-from nanopaged.kernels.copy_blocks import copy_blocks
+from nanopaged.engine.swap import allocate_cpu_kv_cache, copy_block_pairs, run_block_ops
 from nanopaged.kernels.paged_decode import longest_first
 from nanopaged.kernels.store_kv import is_fp8
 from nanopaged.layers.attention import Attention, AttentionMetadata
@@ -261,8 +260,7 @@ class ModelRunner:
         if device.type == "cuda" and self.num_blocks > 1:
             # The copy-on-write kernel too (the first fork of n > 1 or a beam would compile it
             # mid-run): block 0 onto block 1, before any block holds a token.
-            pair = torch.tensor([[0], [1]], device=device)
-            copy_blocks(self.kv_cache, pair[0], pair[1])
+            copy_block_pairs(self.kv_cache, [(0, 1)])
         if workers is not None:
             # Weakly: a strong reference back to the runner would make the pair a cycle, which
             # only the garbage collector frees (and the LLM freezes start-up's objects out of

@@ -98,10 +98,21 @@ def run_block_ops(
         swap_blocks(kv_cache, cpu_kv_cache, blocks_to_swap_out)
         swap_blocks(cpu_kv_cache, kv_cache, blocks_to_swap_in)
     if blocks_to_copy:
-        # pairs: [2, num_pairs] = src, dst
-        pairs = torch.tensor(blocks_to_copy, dtype=torch.long).T.contiguous()
-        pairs = pairs.to(kv_cache.device, non_blocking=True)
-        if kv_cache.is_cuda:
-            copy_blocks(kv_cache, pairs[0], pairs[1])
-        else:
-            copy_blocks_ref(kv_cache, pairs[0], pairs[1])
+        copy_block_pairs(kv_cache, blocks_to_copy)
+
+
+def copy_block_pairs(kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """Copy blocks (src, dst) of every pair in one launch.
+
+    The ids go to the device as [2, width] = src, dst rows, width even: every call then hands
+    the kernel 16-byte-aligned rows, the one variant the LLM compiles at start (an odd count
+    would compile another inside a running generate).
+    """
+    n = len(pairs)
+    ids = torch.zeros(2, n + n % 2, dtype=torch.long)
+    ids[:, :n] = torch.tensor(pairs, dtype=torch.long).T
+    ids = ids.to(kv_cache.device, non_blocking=True)
+    if kv_cache.is_cuda:
+        copy_blocks(kv_cache, ids[0, :n], ids[1, :n])
+    else:
+        copy_blocks_ref(kv_cache, ids[0, :n], ids[1, :n])
