@@ -157,13 +157,25 @@ def penalize(
 
 
 def mask_early_stops(logits: torch.Tensor, seqs: list[Sequence], eos: set[int]) -> None:
-    """Forbid EOS and stop tokens to sequences that have not reached min_tokens (in place)."""
+    """Forbid EOS and stop tokens to sequences that have not reached min_tokens (in place):
+    one index copy from page-locked memory and one kernel for all rows, so the step stays
+    asynchronous (an index list per row copied from pageable memory waited for the device)."""
+    rows: list[int] = []
+    cols: list[int] = []
     for i, seq in enumerate(seqs):
         p = seq.sampling_params
         if seq.num_output_tokens < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
-            if banned:
-                logits[i, banned] = float("-inf")
+            rows += [i] * len(banned)
+            cols += banned
+    if not rows:
+        return
+    # index: [2, n] = rows, token ids
+    index = torch.tensor([rows, cols], dtype=torch.long)
+    if logits.is_cuda:
+        index = index.pin_memory()
+    index = index.to(logits.device, non_blocking=True)
+    logits.index_put_((index[0], index[1]), logits.new_full((), float("-inf")))
 
 
 def sample_sequences(

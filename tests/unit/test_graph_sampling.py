@@ -189,3 +189,23 @@ def test_steps_off_the_graph_sample_outside(runner, graphs):
     assert runner._graph_sampling(step, two[1:]) is None
     graphs.can_sample = False  # tensor parallel: graphs without samplers
     assert runner._graph_sampling(_decode_step(2), two) is None
+
+
+def test_early_stop_mask_bans_each_rows_stops_until_min_tokens():
+    from nanopaged.engine.sampling import mask_early_stops
+
+    eos = {0, 7}
+    seqs = _seqs(SamplingParams(min_tokens=3, stop_token_ids=[5]),  # banned: 5, EOS
+                 SamplingParams(min_tokens=3, ignore_eos=True, stop_token_ids=[2, 9]),
+                 SamplingParams(min_tokens=1),  # one output already: nothing banned
+                 SamplingParams(min_tokens=2, ignore_eos=True))  # nothing to ban
+    logits = torch.randn(4, 12, generator=torch.Generator().manual_seed(0))
+    before = logits.clone()
+    mask_early_stops(logits, seqs, eos)
+    banned = {0: {0, 5, 7}, 1: {2, 9}}
+    for row in range(4):
+        for tok in range(12):
+            if tok in banned.get(row, ()):
+                assert logits[row, tok] == float("-inf"), (row, tok)
+            else:
+                assert logits[row, tok] == before[row, tok], (row, tok)
