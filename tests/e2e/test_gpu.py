@@ -94,6 +94,27 @@ def test_graph_sampling_equals_eager(qwen3, path, async_scheduling):
     assert results[0] == results[1]
 
 
+def test_rows_join_the_graph_sampler_once_min_tokens_is_reached(qwen3):
+    """min_tokens masks its rows' stop tokens outside the graph; once every row has reached
+    it the steps sample inside. Tokens equal eager mode's, and no banned token comes early."""
+    prompts = _prompts(6, seed=5)
+    banned = list(range(0, 1024, 3))  # a third of the vocabulary: the mask matters
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=i, min_tokens=6, max_tokens=16,
+                             stop_token_ids=banned) for i in range(len(prompts))]  # fmt: skip
+    results = []
+    for eager in (True, False):
+        llm = LLM(str(qwen3), dtype="float32", device="cuda", enforce_eager=eager,
+                  max_num_seqs=8, kv_cache_memory=1 << 28)  # fmt: skip
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([o.outputs[0].token_ids for o in outs])
+        if not eager:
+            assert llm.runner.graphs.sampled_steps["frontier"] > 0
+        del llm
+    assert results[0] == results[1]
+    for tokens in results[1]:
+        assert len(tokens) >= 6 and not set(tokens[:6]) & set(banned), tokens
+
+
 def test_steps_with_logprobs_sample_outside_the_graph(qwen3):
     prompts = _prompts(5, seed=4)
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=8, logprobs=2)
