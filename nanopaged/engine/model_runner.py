@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,7 +37,7 @@ from nanopaged.kernels.store_kv import is_fp8
 from nanopaged.layers.attention import Attention, AttentionMetadata
 from nanopaged.layers.backend import backend_for, bind_backend
 from nanopaged.layers.cpu_gemm import pack_model
-from nanopaged.layers.sampler import SamplingTensors, greedy_tokens, sample, with_path
+from nanopaged.layers.sampler import SAMPLER_PATHS, SamplingTensors, sample, with_path
 from nanopaged.loader import load_dummy_weights, load_weights
 from nanopaged.models import build_model
 from nanopaged.models.llama import checkpoint_shapes
@@ -374,18 +373,16 @@ class ModelRunner:
 
     def _warm_up_sampler(self) -> None:
         """Compile the sampler kernel's three variants (plain; the sampled tokens' logprobs;
-        top logprobs too), the chunked draws of the commonest settings (temperature alone; top-p
-        without top-k) and the greedy argmax now, not inside the first steps that ask for them:
-        a compile there stalls every running request. Batch sizes and logprob counts compile
-        none."""
+        top logprobs too) and every path of SAMPLER_PATHS (the greedy argmax, the chunked
+        draws) now, not inside the first steps that ask for them: a compile there stalls every
+        running request. Batch sizes and logprob counts compile none."""
         vocab = self.model_config.vocab_size
         logits = torch.zeros(3, vocab, dtype=self.dtype, device=self.device)
         self._profile_sampling(logits, num_logprobs=0)
         st = self._profile_sampling(logits, num_logprobs=1)
         sample(logits, st, need_logprobs=True)
-        sample(logits, replace(st, any_top_k=False))
-        sample(logits, replace(st, all_plain=True, any_min_p=False))
-        greedy_tokens(logits)  # all-greedy steps: the argmax kernels
+        for path in SAMPLER_PATHS:  # each path without logprobs; greedy: the argmax kernels
+            sample(logits, with_path(st, path))
         torch.cuda.synchronize()
 
     def _profile_sampling(self, logits: torch.Tensor, num_logprobs: int = 20) -> SamplingTensors:
