@@ -33,7 +33,7 @@ from nanopaged.engine.sequence import Sequence
 from nanopaged.engine.step_inputs import StepInputs
 from nanopaged.engine.swap import allocate_cpu_kv_cache, copy_block_pairs, run_block_ops
 from nanopaged.kernels.paged_decode import longest_first
-from nanopaged.kernels.store_kv import is_fp8
+from nanopaged.kernels.store_kv import channel_major, is_fp8
 from nanopaged.layers.attention import Attention, AttentionMetadata
 from nanopaged.layers.backend import backend_for, bind_backend
 from nanopaged.layers.cpu_gemm import pack_model
@@ -233,9 +233,7 @@ class ModelRunner:
             dtype=self.kv_cache_dtype,
             device=device,
         )
-        for i, layer in enumerate(self.attention_layers):
-            layer.k_cache = self.kv_cache[0, i]
-            layer.v_cache = self.kv_cache[1, i]
+        self.bind_kv(self.kv_cache)
         self._tables = BlockTableBuilder()
         # The CPU swap pool (preemption_mode="swap"), see allocate_swap_space.
         self.cpu_kv_cache: torch.Tensor | None = None
@@ -274,6 +272,15 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         self.graphs = None
         gc.collect()
+
+    def bind_kv(self, cache: torch.Tensor) -> None:
+        """Point each attention layer at its K and V in cache ([2, num_layers, num_blocks,
+        block_size, num_kv_heads, head_dim], contiguous). An 8-bit V is kept channel-major
+        (store_kv.channel_major), the order the decode kernel reads it in; block copies and
+        swaps move whole blocks, so they do not depend on it."""
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache = cache[0, i]
+            layer.v_cache = channel_major(cache[1, i]) if is_fp8(cache.dtype) else cache[1, i]
 
     def allocate_swap_space(self, num_blocks: int) -> None:
         """Allocate the CPU swap pool: num_blocks blocks shaped like the device cache's."""
@@ -323,8 +330,7 @@ class ModelRunner:
             2, c.num_layers, sum(blocks), self.block_size, self.num_kv_heads, c.head_dim,
             dtype=self.kv_cache_dtype, device=self.device,
         )
-        for i, layer in enumerate(self.attention_layers):
-            layer.k_cache, layer.v_cache = scratch[0, i], scratch[1, i]
+        self.bind_kv(scratch)
         firsts = np.cumsum([0] + blocks[:-1])
         tables = [list(range(f, f + b)) for f, b in zip(firsts, blocks)]
         positions, meta = self._metadata(lens, [0] * len(lens), tables)

@@ -35,8 +35,7 @@ def compute_prompt_logprobs(
     layers = runner.attention_layers
     saved = [(layer.k_cache, layer.v_cache) for layer in layers]
     try:
-        for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = scratch[0, i], scratch[1, i]
+        runner.bind_kv(scratch)
         positions, meta = runner._metadata([n], [0], [list(range(num_blocks))])
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         hidden = runner.model(ids, positions, meta)  # [n, hidden_size]

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nanopaged.kernels.store_kv import is_fp8
+from nanopaged.kernels.store_kv import channel_major, is_fp8
 
 try:
     import triton
@@ -187,8 +187,10 @@ def check_paged_inputs(
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
     assert k_cache.dtype == v_cache.dtype, (k_cache.dtype, v_cache.dtype)
     assert k_cache.dtype == q.dtype or is_fp8(k_cache.dtype), (q.dtype, k_cache.dtype)
-    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert v_cache.shape == k_cache.shape and k_cache.is_contiguous()
+    # V: laid out as K, or channel-major (store_kv.channel_major, the engine's 8-bit V)
+    assert v_cache.stride() in (k_cache.stride(), channel_major(k_cache).stride()), (
+        v_cache.stride())
     assert q.stride(2) == 1, q.stride()
     assert block_tables.dtype == torch.int32 and block_tables.dim() == 2, block_tables.dtype
     assert block_tables.stride(1) == 1, block_tables.stride()
@@ -209,6 +211,87 @@ if triton is not None:
         per_split = (context_len + num_splits - 1) // num_splits
         return (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
 
+    @triton.jit
+    def _swapped_tile(qT, m_i, l_i, accT, k_cache_ptr, v_cache_ptr, blocks, tokens, end, dims,
+                      k_head_off, v_head_off, stride_cb, stride_ct, stride_vb, stride_vt,
+                      stride_vd, qk_scale, BLOCK_SIZE: tl.constexpr,
+                      V_CHANNEL_MAJOR: tl.constexpr, MASKED: tl.constexpr):
+        # One online-softmax step of _swapped_tiles over BLOCK_N tokens. MASKED: the last,
+        # partial tile: keys past `end` get no weight, and their V slots (stale, or block 0's
+        # for positions past the table) are zeroed so that not even a NaN there reaches accT.
+        b64 = blocks.to(tl.int64)
+        tok_in_block = tokens % BLOCK_SIZE
+        k_offs = b64 * stride_cb + tok_in_block * stride_ct + k_head_off
+        v_offs = b64 * stride_vb + tok_in_block * stride_vt + v_head_off
+        if V_CHANNEL_MAJOR:
+            # a block's BLOCK_SIZE tokens of one channel are contiguous: 16-byte loads
+            v_offs = tl.max_contiguous(tl.multiple_of(v_offs, BLOCK_SIZE), BLOCK_SIZE)
+        k_ptrs = k_cache_ptr + k_offs[:, None] + dims[None, :]
+        vT_ptrs = v_cache_ptr + v_offs[None, :] + dims[:, None] * stride_vd
+        if MASKED:
+            tok_mask = tokens < end
+            k = tl.load(k_ptrs, mask=tok_mask[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        # k: [BLOCK_N, HEAD_DIM]; vT: [HEAD_DIM, BLOCK_N]; sT: [BLOCK_N, GROUP_PAD]
+        vT = tl.load(vT_ptrs)
+        sT = tl.dot(k.to(tl.float16), qT)
+        if MASKED:
+            sT = tl.where(tok_mask[:, None], sT, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sT, 0) * qk_scale)
+        alpha = tl.exp2(m_i - m_new)
+        pT = tl.exp2(sT * qk_scale - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(pT, 0)
+        vT = vT.to(tl.float16)
+        if MASKED:
+            vT = tl.where(tok_mask[None, :], vT, 0.0)
+        accT = accT * alpha[None, :] + tl.dot(vT, pT.to(tl.float16))
+        return m_new, l_i, accT
+
+    @triton.jit
+    def _swapped_tiles(q_row_ptr, stride_qh, k_cache_ptr, v_cache_ptr, table, start, end, heads,
+                       row_mask, dims, n_offs, k_head_off, v_head_off, stride_cb, stride_ct,
+                       stride_vb, stride_vt, stride_vd, qk_scale, GROUP_PAD: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                       NUM_STAGES: tl.constexpr, V_CHANNEL_MAJOR: tl.constexpr):
+        # The 8-bit cache's tiles, with the dots transposed: sT = K q^T and accT = V^T p^T, so
+        # the cache's tiles are the dots' first operands, read straight from shared memory
+        # into registers and converted there (e4m3/e5m2 -> fp16, one instruction per two
+        # values). V^T wants each channel's tokens side by side: the engine stores an 8-bit V
+        # channel-major (store_kv.channel_major), so they are contiguous. Read token-major,
+        # the second dot re-laid the tile through shared memory one byte at a time (H200,
+        # 16q/8kv: 226 -> 182 us at B=256 L=1024, 205 -> 181 at B=64 L=4096). Whole tiles
+        # run unmasked; a partial last tile runs once after them, masked.
+        # Returns m_i, l_i [GROUP_PAD] and acc [GROUP_PAD, HEAD_DIM], as the main loop's.
+        # qT: [HEAD_DIM, GROUP_PAD], clamped to fp16's range (exact for a bf16 q inside it)
+        qT = tl.load(q_row_ptr + heads[None, :] * stride_qh + dims[:, None],
+                     mask=row_mask[None, :], other=0.0)
+        qT = tl.minimum(tl.maximum(qT.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        accT = tl.zeros([HEAD_DIM, GROUP_PAD], tl.float32)
+        full_end = start + (end - start) // BLOCK_N * BLOCK_N
+        # the next tile's block ids are looked up one tile ahead
+        blocks = tl.load(table + (start + n_offs) // BLOCK_SIZE, mask=start + n_offs < end,
+                         other=0)
+        for n0 in tl.range(start, full_end, BLOCK_N, num_stages=NUM_STAGES):
+            tokens = n0 + n_offs
+            cur = blocks
+            nxt = tokens + BLOCK_N
+            blocks = tl.load(table + nxt // BLOCK_SIZE, mask=nxt < end, other=0)
+            m_i, l_i, accT = _swapped_tile(qT, m_i, l_i, accT, k_cache_ptr, v_cache_ptr, cur,
+                                           tokens, end, dims, k_head_off, v_head_off,
+                                           stride_cb, stride_ct, stride_vb, stride_vt,
+                                           stride_vd, qk_scale, BLOCK_SIZE, V_CHANNEL_MAJOR,
+                                           False)
+        if full_end < end:
+            m_i, l_i, accT = _swapped_tile(qT, m_i, l_i, accT, k_cache_ptr, v_cache_ptr, blocks,
+                                           full_end + n_offs, end, dims, k_head_off,
+                                           v_head_off, stride_cb, stride_ct, stride_vb,
+                                           stride_vt, stride_vd, qk_scale, BLOCK_SIZE,
+                                           V_CHANNEL_MAJOR, True)
+        return m_i, l_i, tl.trans(accT)
+
     # Step-varying table pointers and ints are not specialized (16-byte alignment, multiples
     # of 16): a mixed step's slices and each step's table width would compile new variants.
     @triton.jit(do_not_specialize=["block_tables_ptr", "context_lens_ptr", "order_ptr",
@@ -218,18 +301,19 @@ if triton is not None:
         out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
         qk_scale,
         stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
-        stride_cb, stride_ct, stride_ch,
+        stride_cb, stride_ct, stride_ch, stride_vb, stride_vt, stride_vh, stride_vd,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
         NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        IS_FP8: tl.constexpr, HAS_ORDER: tl.constexpr,
+        IS_FP8: tl.constexpr, SWAP_AB: tl.constexpr, V_CHANNEL_MAJOR: tl.constexpr,
+        HAS_ORDER: tl.constexpr,
     ):
         # One program: all GROUP query heads of one KV head of one sequence, over one KV split,
         # so every K/V tile is read once; the group is padded to GROUP_PAD >= 16 dot rows.
         # IS_FP8: K/V tiles are cast up (exact) in registers; k_scale folds into the softmax
-        # scale and v_scale into the output, the same product as dequantizing. With 16-bit q
-        # the dots run in fp16 (q, K, p and V): e4m3/e5m2 convert to fp16 in one instruction,
-        # and a bf16 q is exact in fp16 within its range (clamped to it).
+        # scale and v_scale into the output, the same product as dequantizing. With a 16-bit
+        # q (SWAP_AB) the dots run transposed in fp16, see _swapped_tiles; with an fp32 q
+        # below, in fp32. V is read through its own strides (stride_vd: between channels).
         # HAS_ORDER: the sequences in launch order, longest context first, so the last
         # programs to start are short ones and no long one runs on alone at the end.
         kv_head = tl.program_id(0)
@@ -256,51 +340,58 @@ if triton is not None:
         dims = tl.arange(0, HEAD_DIM)
         heads = kv_head * GROUP + rows
         row_mask = rows < GROUP
-        # q: [GROUP_PAD, HEAD_DIM]
-        q = tl.load(
-            q_ptr + seq64 * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-            mask=row_mask[:, None], other=0.0,
-        )
         if IS_FP8:
             qk_scale = qk_scale * tl.load(k_scale_ptr)
-            if q.dtype != tl.float32:
-                q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         table = block_tables_ptr + seq64 * stride_bt
-        head_off = kv_head * stride_ch
         n_offs = tl.arange(0, BLOCK_N)
-        # PREFETCH: look the next tile's block ids up one tile ahead, so a tile's K/V loads do
-        # not wait on their own table lookup.
-        blocks = tl.load(table + (start + n_offs) // BLOCK_SIZE, mask=start + n_offs < end,
-                         other=0)
-        for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
-            tokens = n0 + n_offs
-            tok_mask = tokens < end
-            if not PREFETCH:
-                blocks = tl.load(table + tokens // BLOCK_SIZE, mask=tok_mask, other=0)
-            offs = blocks.to(tl.int64) * stride_cb + (tokens % BLOCK_SIZE) * stride_ct + head_off
-            if PREFETCH:
-                nxt = tokens + BLOCK_N
-                blocks = tl.load(table + nxt // BLOCK_SIZE, mask=nxt < end, other=0)
-            # k, v: [BLOCK_N, HEAD_DIM]
-            k = tl.load(k_cache_ptr + offs[:, None] + dims[None, :], mask=tok_mask[:, None],
-                        other=0.0)
-            v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=tok_mask[:, None],
-                        other=0.0)
-            if IS_FP8:
-                k = k.to(q.dtype)
-                v = v.to(q.dtype)
-            # s: [GROUP_PAD, BLOCK_N]; scores in log2 units
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            s = tl.where(tok_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s * qk_scale - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+        if SWAP_AB:
+            m_i, l_i, acc = _swapped_tiles(
+                q_ptr + seq64 * stride_qb, stride_qh, k_cache_ptr, v_cache_ptr, table, start,
+                end, heads, row_mask, dims, n_offs, kv_head * stride_ch, kv_head * stride_vh,
+                stride_cb, stride_ct, stride_vb, stride_vt, stride_vd, qk_scale, GROUP_PAD,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_STAGES, V_CHANNEL_MAJOR)
+        else:
+            # q: [GROUP_PAD, HEAD_DIM]
+            q = tl.load(
+                q_ptr + seq64 * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_mask[:, None], other=0.0,
+            )
+            m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+            l_i = tl.zeros([GROUP_PAD], tl.float32)
+            acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+            # PREFETCH: look the next tile's block ids up one tile ahead, so a tile's K/V
+            # loads do not wait on their own table lookup.
+            blocks = tl.load(table + (start + n_offs) // BLOCK_SIZE, mask=start + n_offs < end,
+                             other=0)
+            for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+                tokens = n0 + n_offs
+                tok_mask = tokens < end
+                if not PREFETCH:
+                    blocks = tl.load(table + tokens // BLOCK_SIZE, mask=tok_mask, other=0)
+                tok_in_block = tokens % BLOCK_SIZE
+                k_offs = blocks.to(tl.int64) * stride_cb + tok_in_block * stride_ct
+                v_offs = blocks.to(tl.int64) * stride_vb + tok_in_block * stride_vt
+                if PREFETCH:
+                    nxt = tokens + BLOCK_N
+                    blocks = tl.load(table + nxt // BLOCK_SIZE, mask=nxt < end, other=0)
+                # k, v: [BLOCK_N, HEAD_DIM]
+                k = tl.load(k_cache_ptr + kv_head * stride_ch + k_offs[:, None] + dims[None, :],
+                            mask=tok_mask[:, None], other=0.0)
+                v = tl.load(v_cache_ptr + kv_head * stride_vh + v_offs[:, None]
+                            + dims[None, :] * stride_vd, mask=tok_mask[:, None], other=0.0)
+                if IS_FP8:  # with an fp32 q: exact casts, fp32 dots
+                    k = k.to(q.dtype)
+                    v = v.to(q.dtype)
+                # s: [GROUP_PAD, BLOCK_N]; scores in log2 units
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+                s = tl.where(tok_mask[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s * qk_scale - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
+                                                    input_precision=DOT_PRECISION)
+                m_i = m_new
         # An empty context leaves l_i = 0: write zeros, not NaN.
         safe_l = tl.where(l_i > 0.0, l_i, 1.0)
         out = acc / safe_l[:, None]
@@ -356,10 +447,11 @@ def decode_config(
     head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
 ) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) for the decode kernel (swept on an H200, D=128: bf16
-    KV; 8-bit KV with fp16 dots, where 128-token tiles in three stages took 200-221 us against
-    64 in two's 257-305 at B=256 L=1024 and B=64 L=4096)."""
+    KV; 8-bit KV with a 16-bit q, whose transposed dots took 181-183 us at B=256 L=1024 and
+    B=64 L=4096 in 64-token tiles, two warps and three stages, 179-190 us with 128-token tiles
+    or one warp, 197-298 with four or eight warps)."""
     if kv_dtype is not None and is_fp8(kv_dtype) and dtype != torch.float32:
-        return max(16, min(128, 16384 // head_dim)), 4, 3
+        return max(16, min(64, 16384 // head_dim)), 2, 3
     tile_bytes = head_dim * dtype.itemsize
     block_n = max(16, min(64, 16384 // tile_bytes))
     return block_n, 4, 2
@@ -427,15 +519,17 @@ def paged_decode_launch(
     else:
         part_out = part_lse = out
     grid = (num_kv_heads, batch, num_splits)
+    fp8 = is_fp8(k_cache.dtype)
     _paged_decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens,
         context_lens if order is None else order, out, part_out, part_lse,
         k_scale, v_scale, scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache.stride(),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, NUM_STAGES=num_stages,
-        PREFETCH=prefetch, DOT_PRECISION=dot_precision(q.dtype), IS_FP8=is_fp8(k_cache.dtype),
+        PREFETCH=prefetch, DOT_PRECISION=dot_precision(q.dtype), IS_FP8=fp8,
+        SWAP_AB=fp8 and q.dtype != torch.float32, V_CHANNEL_MAJOR=v_cache.stride(1) == 1,
         HAS_ORDER=order is not None, num_warps=num_warps, num_stages=num_stages,
     )
     if split:

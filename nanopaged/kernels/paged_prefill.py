@@ -85,11 +85,17 @@ if triton is not None:
 
     @triton.jit
     def _load_kv_tile(k_cache_ptr, v_cache_ptr, blocks, tokens, tok_mask, dims, head_off,
-                      stride_cb, stride_ct, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
-        # blocks: [BLOCK_N] physical block of each token -> k, v: [BLOCK_N, HEAD_DIM]
-        offs = blocks.to(tl.int64) * stride_cb + (tokens % BLOCK_SIZE) * stride_ct + head_off
+                      stride_cb, stride_ct, v_strides, BLOCK_SIZE: tl.constexpr,
+                      MASKED: tl.constexpr):
+        # blocks: [BLOCK_N] physical block of each token -> k, v: [BLOCK_N, HEAD_DIM]. V has
+        # its own strides: v_strides = (block, token, channel, this head's offset).
+        stride_vb, stride_vt, stride_vd, v_head_off = v_strides
+        b64 = blocks.to(tl.int64)
+        tok_in_block = tokens % BLOCK_SIZE
+        offs = b64 * stride_cb + tok_in_block * stride_ct + head_off
+        v_offs = b64 * stride_vb + tok_in_block * stride_vt + v_head_off
         k_ptrs = k_cache_ptr + offs[:, None] + dims[None, :]
-        v_ptrs = v_cache_ptr + offs[:, None] + dims[None, :]
+        v_ptrs = v_cache_ptr + v_offs[:, None] + dims[None, :] * stride_vd
         if MASKED:
             k = tl.load(k_ptrs, mask=tok_mask[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=tok_mask[:, None], other=0.0)
@@ -121,7 +127,8 @@ if triton is not None:
 
     @triton.jit
     def _unmasked_tiles(q, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr, full_end, n_offs,
-                        dims, head_off, stride_cb, stride_ct, qk_scale, BLOCK_SIZE: tl.constexpr,
+                        dims, head_off, stride_cb, stride_ct, v_strides, qk_scale,
+                        BLOCK_SIZE: tl.constexpr,
                         BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
                         DOT_PRECISION: tl.constexpr):
         # Cached keys [0, full_end) that every row of the tile sees, through the block table.
@@ -130,7 +137,8 @@ if triton is not None:
                 tokens = n0 + n_offs
                 blocks = _table_lookup(table, tokens, full_end, BLOCK_SIZE)
                 k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, blocks, tokens, None, dims,
-                                     head_off, stride_cb, stride_ct, BLOCK_SIZE, False)
+                                     head_off, stride_cb, stride_ct, v_strides, BLOCK_SIZE,
+                                     False)
                 m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, None, qk_scale, False,
                                                 DOT_PRECISION)
         elif PREFETCH == 1:
@@ -138,7 +146,8 @@ if triton is not None:
             for n0 in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
                 tokens = n0 + n_offs
                 k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, blocks, tokens, None, dims,
-                                     head_off, stride_cb, stride_ct, BLOCK_SIZE, False)
+                                     head_off, stride_cb, stride_ct, v_strides, BLOCK_SIZE,
+                                     False)
                 blocks = _table_lookup(table, tokens + BLOCK_N, full_end, BLOCK_SIZE)
                 m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, None, qk_scale, False,
                                                 DOT_PRECISION)
@@ -148,7 +157,8 @@ if triton is not None:
             for n0 in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
                 tokens = n0 + n_offs
                 k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, blocks, tokens, None, dims,
-                                     head_off, stride_cb, stride_ct, BLOCK_SIZE, False)
+                                     head_off, stride_cb, stride_ct, v_strides, BLOCK_SIZE,
+                                     False)
                 blocks = blocks_next
                 blocks_next = _table_lookup(table, tokens + 2 * BLOCK_N, full_end, BLOCK_SIZE)
                 m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, None, qk_scale, False,
@@ -162,7 +172,7 @@ if triton is not None:
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
         out_ptr, k_scale_ptr, v_scale_ptr, k_new_desc, v_new_desc, qk_scale,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-        stride_cb, stride_ct, stride_ch,
+        stride_cb, stride_ct, stride_ch, stride_vb, stride_vt, stride_vh, stride_vd,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
         PREFETCH: tl.constexpr, PACK_GQA: tl.constexpr,
@@ -217,6 +227,7 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         head_off = kv_head * stride_ch
+        v_strides = (stride_vb, stride_vt, stride_vd, kv_head * stride_vh)
         n_offs = tl.arange(0, BLOCK_N)
         # Keys below the tile's first query position are visible to every row: no masks
         # (FRESH: the cached prefix's whole tiles). PREFETCH looks block ids up 1 or 2 tiles
@@ -229,8 +240,8 @@ if triton is not None:
         if PREFIX:
             m_i, l_i, acc = _unmasked_tiles(q, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
                                             full_end, n_offs, dims, head_off, stride_cb,
-                                            stride_ct, qk_scale, BLOCK_SIZE, BLOCK_N, NUM_STAGES,
-                                            PREFETCH, DOT_PRECISION)
+                                            stride_ct, v_strides, qk_scale, BLOCK_SIZE, BLOCK_N,
+                                            NUM_STAGES, PREFETCH, DOT_PRECISION)
         if FRESH:
             # The prefix's last partial tile, then this step's keys: key j (0-based in the
             # chunk) is visible to query row r when j <= r. A tile loaded whole may reach into
@@ -242,7 +253,7 @@ if triton is not None:
                     tail_blocks = _table_lookup(table, tokens, prefix, BLOCK_SIZE)
                     k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, tail_blocks, tokens,
                                          tok_mask, dims, head_off, stride_cb, stride_ct,
-                                         BLOCK_SIZE, True)
+                                         v_strides, BLOCK_SIZE, True)
                     visible = tok_mask[None, :] & (rows >= 0)[:, None]
                     m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, visible, qk_scale,
                                                     True, DOT_PRECISION)
@@ -268,7 +279,8 @@ if triton is not None:
                 tok_mask = tokens < kv_end
                 diag_blocks = _table_lookup(table, tokens, kv_end, BLOCK_SIZE)
                 k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, diag_blocks, tokens, tok_mask,
-                                     dims, head_off, stride_cb, stride_ct, BLOCK_SIZE, True)
+                                     dims, head_off, stride_cb, stride_ct, v_strides, BLOCK_SIZE,
+                                     True)
                 visible = (tokens[None, :] <= q_pos[:, None]) & tok_mask[None, :]
                 m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, visible, qk_scale, True,
                                                 DOT_PRECISION)
@@ -344,7 +356,7 @@ def paged_prefill_launch(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, k_scale, v_scale,
         k_desc, v_desc, scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache.stride(),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, PREFETCH=prefetch,
         PACK_GQA=pack_gqa, DOT_PRECISION=dot_precision(q.dtype), IS_FP8=is_fp8(k_cache.dtype),

@@ -18,6 +18,18 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
 
 
+def channel_major(v_cache: torch.Tensor) -> torch.Tensor:
+    """The engine's 8-bit V cache layout over the memory of a contiguous v_cache: the same
+    [num_blocks, block_size, num_kv_heads, head_dim] indexing, laid out
+    [num_blocks, num_kv_heads, head_dim, block_size], so a block's tokens of one channel are
+    contiguous, the order the decode kernel's second dot reads (see paged_decode's
+    _swapped_tiles). A view: the bytes are reinterpreted, not moved (bind it to a fresh cache,
+    or copy values in)."""
+    num_blocks, block_size, num_kv_heads, head_dim = v_cache.shape
+    assert v_cache.is_contiguous(), v_cache.stride()
+    return v_cache.view(num_blocks, num_kv_heads, head_dim, block_size).permute(0, 3, 1, 2)
+
+
 def quantize_ref(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x / scale, clamped to dtype's finite range, cast to the 8-bit dtype; scale: [1] fp32."""
     fmax = torch.finfo(dtype).max
@@ -57,7 +69,11 @@ def store_kv_ref(
     # index_copy_, not boolean-mask assignment: on CPU that threads its loop over the whole
     # cache and costs milliseconds per call at 2 threads.
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+    if v_cache.is_contiguous():
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+    else:  # channel_major: each slot's [num_kv_heads, head_dim] is strided
+        block_size = v_cache.shape[1]
+        v_cache[slots // block_size, slots % block_size] = value.to(v_cache.dtype)
 
 
 if triton is not None:
@@ -67,11 +83,13 @@ if triton is not None:
         key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
         stride_kt, stride_kh, stride_kd,
         stride_vt, stride_vh, stride_vd,
+        stride_cvb, stride_cvt, stride_cvh, stride_cvd, block_size,
         NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr,
     ):
         # One program writes every head of one token. FP8_MAX > 0: quantize (exact division,
-        # as the reference, so both round to the same 8-bit value).
+        # as the reference, so both round to the same 8-bit value). The K cache is
+        # contiguous; the V cache's strides are stride_cv* (channel_major for 8 bits).
         token = tl.program_id(0)
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         if slot < 0:
@@ -90,8 +108,10 @@ if triton is not None:
             k = tl.clamp(k, -FP8_MAX, FP8_MAX)
             v = tl.clamp(v, -FP8_MAX, FP8_MAX)
         dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM + d
+        v_dst = ((slot // block_size) * stride_cvb + (slot % block_size) * stride_cvt
+                 + h * stride_cvh + d * stride_cvd)
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(
@@ -105,14 +125,17 @@ def store_kv(
 ) -> None:
     """Scatter key/value [N, num_kv_heads, head_dim] (any strides) into the caches; -1 skips.
 
-    An fp8 cache takes its [1] fp32 scales: it stores clamp(x / scale) in 8 bits.
+    An fp8 cache takes its [1] fp32 scales: it stores clamp(x / scale) in 8 bits. The caches
+    are contiguous, or v_cache is channel_major (as the engine keeps an 8-bit V).
     """
     assert triton is not None, "store_kv needs triton; use store_kv_ref"
     num_tokens, num_kv_heads, head_dim = key.shape
     assert value.shape == key.shape, (value.shape, key.shape)
     assert k_cache.dim() == 4 and k_cache.shape[2:] == (num_kv_heads, head_dim), k_cache.shape
     assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.is_contiguous()
+    assert v_cache.stride() in (k_cache.stride(), channel_major(k_cache).stride()), (
+        v_cache.stride())
     assert slot_mapping.shape == (num_tokens,), slot_mapping.shape
     assert slot_mapping.dtype in (torch.int32, torch.int64), slot_mapping.dtype
     assert key.device == k_cache.device == slot_mapping.device
@@ -127,7 +150,7 @@ def store_kv(
     _store_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2),
+        value.stride(0), value.stride(1), value.stride(2), *v_cache.stride(), v_cache.shape[1],
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         FP8_MAX=fp8_max, num_warps=4,

@@ -11,9 +11,14 @@ from kernel_inputs import DEVICE, assert_close, make_kv_cache
 from test_store_kv import packed_qkv
 
 from nanopaged.kernels.copy_blocks import copy_blocks, copy_blocks_ref
-from nanopaged.kernels.paged_decode import dequantize, paged_decode, paged_decode_ref
+from nanopaged.kernels.paged_decode import (
+    dequantize,
+    paged_decode,
+    paged_decode_launch,
+    paged_decode_ref,
+)
 from nanopaged.kernels.paged_prefill import paged_prefill, paged_prefill_ref
-from nanopaged.kernels.store_kv import quantize_ref, store_kv, store_kv_ref
+from nanopaged.kernels.store_kv import channel_major, quantize_ref, store_kv, store_kv_ref
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
@@ -27,9 +32,19 @@ def as_bytes(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8)
 
 
-def fp8_cache(kv: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
-    """A cache of the same shape holding kv's values in 8 bits (values up to ~4)."""
-    return (kv.float() * 40).clamp(-200, 200).to(fp8)
+def fp8_cache(kv: torch.Tensor, fp8: torch.dtype, channel: bool = False) -> torch.Tensor:
+    """A cache of the same shape holding kv's values in 8 bits (values up to ~4); channel:
+    laid out channel_major, as the engine keeps an 8-bit V."""
+    values = (kv.float() * 40).clamp(-200, 200).to(fp8)
+    return as_channel_major(values) if channel else values
+
+
+def as_channel_major(cache: torch.Tensor) -> torch.Tensor:
+    """cache's values in a fresh channel_major cache."""
+    out = channel_major(torch.empty_like(cache, memory_format=torch.contiguous_format))
+    out.copy_(cache)
+    assert torch.equal(as_bytes(out), as_bytes(cache)) and not out.is_contiguous()
+    return out
 
 
 def store_case(fp8: torch.dtype, num_tokens: int, num_kv_heads: int, head_dim: int, dtype):
@@ -44,14 +59,16 @@ def store_case(fp8: torch.dtype, num_tokens: int, num_kv_heads: int, head_dim: i
     slots[0] = perm[0]
     k_scale, v_scale = scales(0.05, 0.003)
     out, ref = kv.clone(), kv.clone()
-    store_kv(key, value, out[0, 1], out[1, 1], slots, k_scale, v_scale)
-    store_kv_ref(key, value, ref[0, 1], ref[1, 1], slots, k_scale, v_scale)
+    # V channel-major, as the engine keeps it
+    store_kv(key, value, out[0, 1], channel_major(out[1, 1]), slots, k_scale, v_scale)
+    store_kv_ref(key, value, ref[0, 1], channel_major(ref[1, 1]), slots, k_scale, v_scale)
     assert torch.equal(as_bytes(out), as_bytes(ref))
     # The stored values are x / scale in 8 bits: clamped to the finite range, never inf.
     fmax = torch.finfo(fp8).max
     stored = ref[0, 1].view(-1, num_kv_heads, head_dim)[slots[0], 0, :4].float()
     assert stored.tolist()[:2] == [fmax, -fmax] and stored[3] == 0
-    back = dequantize(ref[1, 1].view(-1, num_kv_heads, head_dim)[slots[slots >= 0]], v_scale)
+    v_slots = channel_major(ref[1, 1]).reshape(-1, num_kv_heads, head_dim)
+    back = dequantize(v_slots[slots[slots >= 0]], v_scale)
     stored_v = value[slots >= 0].float()
     rel = (back - stored_v).abs() / stored_v.abs()
     # Inside the format's range (past it values clamp), rounding is at most half a step.
@@ -61,9 +78,11 @@ def store_case(fp8: torch.dtype, num_tokens: int, num_kv_heads: int, head_dim: i
 
 
 @pytest.mark.parametrize("fp8", [E4M3, E5M2])
-def test_store_kv_fp8_on_the_grid(fp8):
+@pytest.mark.parametrize("channel", [False, True])
+def test_store_kv_fp8_on_the_grid(fp8, channel):
     # Values x = scale * (an 8-bit value) need no rounding, so the interpreter stores them
     # right: this checks the kernel's scale, clamp and slots; rounding is checked on the GPU.
+    # channel: V kept channel_major (the engine's 8-bit layout).
     kv = make_kv_cache(4, 16, 2, 64, f32).to(fp8)
     k_scale, v_scale = scales(0.25, 3.0)
     grid = (torch.randn(30, 2, 64, device=DEVICE) * 20).to(fp8).float()
@@ -72,11 +91,20 @@ def test_store_kv_fp8_on_the_grid(fp8):
     slots = torch.randperm(64, device=DEVICE)[:30]
     slots[3] = -1
     out, ref = kv.clone(), kv.clone()
-    store_kv(key, value, out[0, 1], out[1, 1], slots, k_scale, v_scale)
-    store_kv_ref(key, value, ref[0, 1], ref[1, 1], slots, k_scale, v_scale)
+    v_out, v_ref = ((channel_major(x[1, 1]) if channel else x[1, 1]) for x in (out, ref))
+    store_kv(key, value, out[0, 1], v_out, slots, k_scale, v_scale)
+    store_kv_ref(key, value, ref[0, 1], v_ref, slots, k_scale, v_scale)
     assert torch.equal(as_bytes(out), as_bytes(ref))
     fmax = torch.finfo(fp8).max
     assert out[0, 1].view(-1, 2, 64)[slots[0], 0, :2].float().tolist() == [fmax, -fmax]
+    # Each stored V row sits at its slot in the layout's indexing, every other byte unchanged.
+    stored = slots[slots >= 0]
+    v_rows = v_out.reshape(-1, 2, 64)
+    assert torch.equal(v_rows[stored].float(), grid[slots >= 0].to(fp8).float())
+    untouched = torch.ones(64, dtype=torch.bool, device=DEVICE)
+    untouched[stored] = False
+    before = (channel_major(kv[1, 1]) if channel else kv[1, 1]).reshape(-1, 2, 64)
+    assert torch.equal(as_bytes(v_rows[untouched]), as_bytes(before[untouched]))
 
 
 @pytest.mark.parametrize("fp8", [E4M3, E5M2])
@@ -101,16 +129,17 @@ def test_store_kv_fp8_gpu(fp8, dtype):
     store_case(fp8, 4096, 8, 128, dtype)
 
 
-def fp8_decode_inputs(fp8, lens, block_size, group, head_dim, dtype, num_kv_heads):
+def fp8_decode_inputs(fp8, lens, block_size, group, head_dim, dtype, num_kv_heads, channel=True):
     q, k_cache, v_cache, tables, context_lens = decode_case.make_inputs(
         lens, block_size, group, head_dim, dtype, num_kv_heads
     )
-    return q, fp8_cache(k_cache, fp8), fp8_cache(v_cache, fp8), tables, context_lens
+    return q, fp8_cache(k_cache, fp8), fp8_cache(v_cache, fp8, channel), tables, context_lens
 
 
-def check_decode(fp8, block_size, group, head_dim, dtype, num_kv_heads):
+def check_decode(fp8, block_size, group, head_dim, dtype, num_kv_heads, channel=True):
     lens = decode_case.mixed_lens(block_size)
-    inputs = fp8_decode_inputs(fp8, lens, block_size, group, head_dim, dtype, num_kv_heads)
+    inputs = fp8_decode_inputs(fp8, lens, block_size, group, head_dim, dtype, num_kv_heads,
+                               channel)
     k_scale, v_scale = scales(0.04, 0.025)
     out = paged_decode(*inputs, 0.1, k_scale=k_scale, v_scale=v_scale)
     ref = paged_decode_ref(*inputs, 0.1, k_scale=k_scale, v_scale=v_scale)
@@ -128,8 +157,56 @@ def check_decode(fp8, block_size, group, head_dim, dtype, num_kv_heads):
     "block_size,group,head_dim,dtype,num_kv_heads",
     [(16, 2, 64, f32, 2), (8, 4, 128, f16, 1), (32, 1, 64, f16, 2)],
 )
-def test_decode_fp8(fp8, block_size, group, head_dim, dtype, num_kv_heads):
-    check_decode(fp8, block_size, group, head_dim, dtype, num_kv_heads)
+@pytest.mark.parametrize("channel", [True, False])
+def test_decode_fp8(fp8, block_size, group, head_dim, dtype, num_kv_heads, channel):
+    # channel: V channel_major (the engine's layout); else laid out as K.
+    check_decode(fp8, block_size, group, head_dim, dtype, num_kv_heads, channel)
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("block_n,num_splits", [(16, 1), (16, 3), (32, 7)])
+def test_decode_fp8_tiles_and_splits(fp8, block_n, num_splits):
+    # The transposed (16-bit q) path with tiles smaller than a block and split contexts: whole
+    # tiles, partial last tiles and splits past a context's end.
+    lens = [1, 15, 16, 17, 53, 64, 100]
+    inputs = fp8_decode_inputs(fp8, lens, 8, 2, 64, f16, 2)
+    k_scale, v_scale = scales(0.04, 0.025)
+    out = paged_decode_launch(*inputs, 0.1, num_splits, block_n, 2, 2, k_scale=k_scale,
+                              v_scale=v_scale)
+    ref = paged_decode_ref(*inputs, 0.1, k_scale=k_scale, v_scale=v_scale)
+    assert_close(out, ref, f16)
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("dtype", [f16, f32])
+def test_decode_fp8_ignores_stale_nan(fp8, dtype):
+    # Every cache byte outside the contexts is NaN: slots past a context in its last block
+    # (the transposed path loads whole blocks) and every unused block (block 0 stands in
+    # for positions past a table). None reaches the output.
+    lens = [1, 15, 33, 70, 130]
+    q, k8, v8, tables, context_lens = fp8_decode_inputs(fp8, lens, 16, 2, 64, dtype, 2)
+    # Block 0 holds no context (only the tables' padding points at it): a context's block 0
+    # moves to a spare block with the same contents.
+    used = [tables[row, : -(-n // 16)] for row, n in enumerate(lens)]
+    spare = next(b for b in range(1, k8.shape[0]) if all(b not in u for u in used))
+    for entries in used:
+        entries[entries == 0] = spare
+    k8[spare], v8[spare] = k8[0].clone(), v8[0].clone()
+    valid = torch.zeros(k8.shape[:2], dtype=torch.bool, device=DEVICE)
+    for row, n in enumerate(lens):
+        tokens = torch.arange(n, device=DEVICE)
+        valid[tables[row, tokens // 16].long(), tokens % 16] = True
+    assert not valid[0].any() and (~valid[1:]).sum() > 50
+    nan = as_bytes(torch.tensor([float("nan")], device=DEVICE).to(fp8))
+    for cache in (k8, v8):
+        as_bytes(cache)[~valid] = nan
+    assert torch.isnan(v8.float()).sum() == (~valid).sum() * v8[0, 0].numel()
+    k_scale, v_scale = scales(0.04, 0.025)
+    out = paged_decode(q, k8, v8, tables, context_lens, 0.1, k_scale=k_scale, v_scale=v_scale)
+    ref = paged_decode_ref(q, k8, v8, tables, context_lens, 0.1, k_scale=k_scale,
+                           v_scale=v_scale)
+    assert torch.isfinite(out).all() and torch.isfinite(ref).all()
+    assert_close(out, ref, dtype)
 
 
 @pytest.mark.gpu
@@ -137,6 +214,7 @@ def test_decode_fp8(fp8, block_size, group, head_dim, dtype, num_kv_heads):
 @pytest.mark.parametrize("dtype", [bf16, f16, f32])
 def test_decode_fp8_gpu(fp8, dtype):
     check_decode(fp8, 16, 2, 128, dtype, 8)
+    check_decode(fp8, 16, 2, 128, dtype, 8, channel=False)
     check_decode(fp8, 32, 4, 64, dtype, 2)
     # A long context: split-KV with the scales applied per split.
     inputs = fp8_decode_inputs(fp8, [5000, 37], 16, 2, 128, dtype, 8)
@@ -146,12 +224,13 @@ def test_decode_fp8_gpu(fp8, dtype):
     assert_close(out, ref, dtype)
 
 
-def check_prefill(fp8, block_size, group, head_dim, dtype, num_kv_heads):
+def check_prefill(fp8, block_size, group, head_dim, dtype, num_kv_heads, channel=True):
     inputs, max_seqlen_q = prefill_case.make_inputs(
         prefill_case.mixed_spec(block_size), block_size, group, head_dim, dtype, num_kv_heads
     )
     q, k_cache, v_cache, tables, cu, context_lens = inputs
-    inputs = (q, fp8_cache(k_cache, fp8), fp8_cache(v_cache, fp8), tables, cu, context_lens)
+    inputs = (q, fp8_cache(k_cache, fp8), fp8_cache(v_cache, fp8, channel), tables, cu,
+              context_lens)
     k_scale, v_scale = scales(0.04, 0.025)
     out = paged_prefill(*inputs, 0.1, max_seqlen_q, k_scale=k_scale, v_scale=v_scale)
     ref = paged_prefill_ref(*inputs, 0.1, k_scale=k_scale, v_scale=v_scale)
@@ -173,8 +252,9 @@ def check_prefill(fp8, block_size, group, head_dim, dtype, num_kv_heads):
 @pytest.mark.parametrize(
     "block_size,group,head_dim,dtype,num_kv_heads", [(16, 2, 64, f32, 1), (8, 1, 64, f16, 2)]
 )
-def test_prefill_fp8(fp8, block_size, group, head_dim, dtype, num_kv_heads):
-    check_prefill(fp8, block_size, group, head_dim, dtype, num_kv_heads)
+@pytest.mark.parametrize("channel", [True, False])
+def test_prefill_fp8(fp8, block_size, group, head_dim, dtype, num_kv_heads, channel):
+    check_prefill(fp8, block_size, group, head_dim, dtype, num_kv_heads, channel)
 
 
 @pytest.mark.gpu
@@ -182,6 +262,7 @@ def test_prefill_fp8(fp8, block_size, group, head_dim, dtype, num_kv_heads):
 @pytest.mark.parametrize("dtype", [bf16, f16, f32])
 def test_prefill_fp8_gpu(fp8, dtype):
     check_prefill(fp8, 16, 2, 128, dtype, 8)
+    check_prefill(fp8, 16, 2, 128, dtype, 8, channel=False)
     check_prefill(fp8, 32, 4, 64, dtype, 2)
 
 
