@@ -520,6 +520,11 @@ def paged_decode_launch(
         part_out = part_lse = out
     grid = (num_kv_heads, batch, num_splits)
     fp8 = is_fp8(k_cache.dtype)
+    if fp8 and q.dtype != torch.float32 and num_warps > 2:
+        # Four warps make Triton 3.6 use wgmma here; in two stages its partial last tile
+        # came out wrong on an H200 (and read out of bounds). mma.sync, 1-2 warps, is right.
+        raise ValueError(f"num_warps must be 1 or 2 for an 8-bit cache with a 16-bit q, "
+                         f"got {num_warps}")
     _paged_decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens,
         context_lens if order is None else order, out, part_out, part_lse,

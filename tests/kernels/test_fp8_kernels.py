@@ -224,6 +224,30 @@ def test_decode_fp8_gpu(fp8, dtype):
     assert_close(out, ref, dtype)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n,num_warps", [(32, 1), (64, 1), (64, 2), (128, 2)])
+def test_decode_fp8_launch_configs_gpu(block_n, num_warps):
+    # The transposed path under the launch choices it takes (1-2 warps), two to four stages,
+    # whole or split contexts: contexts with no whole tile, whole tiles only, and whole tiles
+    # plus a partial last one.
+    lens = [1, 15, 100, 128, 129, 200, 255, 257, 300, 400]
+    inputs = fp8_decode_inputs(E4M3, lens, 16, 2, 128, bf16, 8)
+    k_scale, v_scale = scales(0.04, 0.025)
+    ref = paged_decode_ref(*inputs, 0.1, k_scale=k_scale, v_scale=v_scale)
+    for num_stages in (2, 3, 4):
+        for num_splits in (1, 3):
+            out = paged_decode_launch(*inputs, 0.1, num_splits, block_n, num_warps, num_stages,
+                                      k_scale=k_scale, v_scale=v_scale)
+            assert_close(out, ref, bf16)
+
+
+def test_decode_fp8_refuses_four_warps():
+    inputs = fp8_decode_inputs(E4M3, [40], 16, 2, 64, f16, 1)
+    k_scale, v_scale = scales(0.04, 0.025)
+    with pytest.raises(ValueError, match="num_warps must be 1 or 2"):
+        paged_decode_launch(*inputs, 0.1, 1, 64, 4, 2, k_scale=k_scale, v_scale=v_scale)
+
+
 def check_prefill(fp8, block_size, group, head_dim, dtype, num_kv_heads, channel=True):
     inputs, max_seqlen_q = prefill_case.make_inputs(
         prefill_case.mixed_spec(block_size), block_size, group, head_dim, dtype, num_kv_heads
