@@ -249,6 +249,9 @@ def test_decode_fp8_refuses_four_warps():
 
 
 def check_prefill(fp8, block_size, group, head_dim, dtype, num_kv_heads, channel=True):
+    # Seeded: bf16 outputs over random e5m2 caches (values up to 5) pass the bf16 tolerance
+    # in all but rare draws (one failure in ~40 on an H200).
+    torch.manual_seed(0)
     inputs, max_seqlen_q = prefill_case.make_inputs(
         prefill_case.mixed_spec(block_size), block_size, group, head_dim, dtype, num_kv_heads
     )
