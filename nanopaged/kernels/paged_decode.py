@@ -224,8 +224,10 @@ if triton is not None:
         k_offs = b64 * stride_cb + tok_in_block * stride_ct + k_head_off
         v_offs = b64 * stride_vb + tok_in_block * stride_vt + v_head_off
         if V_CHANNEL_MAJOR:
-            # a block's BLOCK_SIZE tokens of one channel are contiguous: 16-byte loads
-            v_offs = tl.max_contiguous(tl.multiple_of(v_offs, BLOCK_SIZE), BLOCK_SIZE)
+            # a block's tokens of one channel are contiguous (runs of BLOCK_SIZE, or of the
+            # tile when it is shorter, starting on a tile boundary): 16-byte loads
+            RUN: tl.constexpr = min(BLOCK_SIZE, tokens.shape[0])
+            v_offs = tl.max_contiguous(tl.multiple_of(v_offs, RUN), RUN)
         k_ptrs = k_cache_ptr + k_offs[:, None] + dims[None, :]
         vT_ptrs = v_cache_ptr + v_offs[None, :] + dims[:, None] * stride_vd
         if MASKED:

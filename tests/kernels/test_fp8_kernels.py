@@ -225,13 +225,14 @@ def test_decode_fp8_gpu(fp8, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_n,num_warps", [(32, 1), (64, 1), (64, 2), (128, 2)])
-def test_decode_fp8_launch_configs_gpu(block_n, num_warps):
+@pytest.mark.parametrize("block_n,num_warps,block_size",
+                         [(32, 1, 16), (64, 1, 16), (64, 2, 16), (128, 2, 16), (32, 2, 64)])
+def test_decode_fp8_launch_configs_gpu(block_n, num_warps, block_size):
     # The transposed path under the launch choices it takes (1-2 warps), two to four stages,
     # whole or split contexts: contexts with no whole tile, whole tiles only, and whole tiles
-    # plus a partial last one.
+    # plus a partial last one; and tiles shorter than a block.
     lens = [1, 15, 100, 128, 129, 200, 255, 257, 300, 400]
-    inputs = fp8_decode_inputs(E4M3, lens, 16, 2, 128, bf16, 8)
+    inputs = fp8_decode_inputs(E4M3, lens, block_size, 2, 128, bf16, 8)
     k_scale, v_scale = scales(0.04, 0.025)
     ref = paged_decode_ref(*inputs, 0.1, k_scale=k_scale, v_scale=v_scale)
     for num_stages in (2, 3, 4):
