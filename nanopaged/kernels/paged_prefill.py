@@ -298,7 +298,7 @@ def prefill_config(
 
     Swept on an H200 (bf16, D=128): short queries favour small GQA-packed tiles (more
     programs in flight), long ones 128x128 tiles. fresh_only: every key is this step's own,
-    read through TMA (no cached prefix, a 16-bit cache): short queries then take two stages,
+    read through TMA (no cached prefix): short queries then take two stages,
     2-11% faster on 8-64 sequences of 128-512 tokens, where a prefix or the block-table path
     lost 3-13% with them.
     """
@@ -341,7 +341,7 @@ def paged_prefill_launch(
     if num_tokens == 0 or batch == 0 or max_seqlen_q == 0:
         return out
     group = num_heads // num_kv_heads
-    fresh = k_new is not None and not is_fp8(k_cache.dtype) and TensorDescriptor is not None
+    fresh = k_new is not None and TensorDescriptor is not None
     k_desc = v_desc = None
     if fresh:
         assert v_new is not None and k_new.shape == v_new.shape == (num_tokens, num_kv_heads,
@@ -404,8 +404,9 @@ def paged_prefill(
     cache is dequantized in registers with k_scale / v_scale ([1] fp32 on the device).
     k_new / v_new: this step's K/V ([num_tokens, num_kv_heads, head_dim], packed like q, the
     values just stored at the last q_len positions): the kernel reads them contiguously
-    instead of through the block table, the same values in the same order of keys. An 8-bit
-    cache ignores them, so prefill sees the stored 8-bit values as decode does. With them,
+    instead of through the block table, the same values in the same order of keys. Over an
+    8-bit cache they must be the stored 8-bit values cast to q's dtype (store_kv's k_out /
+    v_out, before the scales), so prefill sees what decode sees. With them,
     has_prefix=False (no sequence has cached tokens before its queries: every context_len
     equals its q_len) compiles the prefix loops out. out: as paged_decode's.
     """
@@ -413,8 +414,7 @@ def paged_prefill(
     assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.is_contiguous()
     assert cu_seqlens_q.shape == (context_lens.shape[0] + 1,), cu_seqlens_q.shape
     assert cu_seqlens_q.device == q.device
-    fresh_only = (k_new is not None and not has_prefix and not is_fp8(k_cache.dtype)
-                  and TensorDescriptor is not None)
+    fresh_only = k_new is not None and not has_prefix and TensorDescriptor is not None
     config = prefill_config(q.shape[2], q.dtype, max_seqlen_q, fresh_only)
     return paged_prefill_launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                                 scale, max_seqlen_q, *config, k_scale=k_scale, v_scale=v_scale,

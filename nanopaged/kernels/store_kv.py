@@ -81,19 +81,24 @@ if triton is not None:
     @triton.jit
     def _store_kv_kernel(
         key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
+        k_out_ptr, v_out_ptr,
         stride_kt, stride_kh, stride_kd,
         stride_vt, stride_vh, stride_vd,
         stride_cvb, stride_cvt, stride_cvh, stride_cvd, block_size,
         NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr,
+        WRITE_OUT: tl.constexpr,
     ):
         # One program writes every head of one token. FP8_MAX > 0: quantize (exact division,
         # as the reference, so both round to the same 8-bit value). The K cache is
         # contiguous; the V cache's strides are stride_cv* (channel_major for 8 bits).
+        # WRITE_OUT: the stored values, cast back, also go to k_out/v_out (packed
+        # [N, NUM_KV_HEADS, HEAD_DIM]), for every token, slot -1 included.
         token = tl.program_id(0)
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-        if slot < 0:
-            return
+        if not WRITE_OUT:
+            if slot < 0:
+                return
         h = tl.arange(0, BLOCK_H)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
@@ -107,11 +112,18 @@ if triton is not None:
             v = tl.div_rn(v.to(tl.float32), tile + tl.load(v_scale_ptr))
             k = tl.clamp(k, -FP8_MAX, FP8_MAX)
             v = tl.clamp(v, -FP8_MAX, FP8_MAX)
+        k = k.to(k_cache_ptr.dtype.element_ty)
+        v = v.to(v_cache_ptr.dtype.element_ty)
+        if WRITE_OUT:
+            out = token64 * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM + d
+            tl.store(k_out_ptr + out, k.to(tl.float32).to(k_out_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_out_ptr + out, v.to(tl.float32).to(v_out_ptr.dtype.element_ty), mask=mask)
+            mask = mask & (tl.zeros([BLOCK_H, BLOCK_D], tl.int64) + slot >= 0)
         dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM + d
         v_dst = ((slot // block_size) * stride_cvb + (slot % block_size) * stride_cvt
                  + h * stride_cvh + d * stride_cvd)
-        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_cache_ptr + dst, k, mask=mask)
+        tl.store(v_cache_ptr + v_dst, v, mask=mask)
 
 
 def store_kv(
@@ -122,11 +134,16 @@ def store_kv(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    k_out: torch.Tensor | None = None,
+    v_out: torch.Tensor | None = None,
 ) -> None:
     """Scatter key/value [N, num_kv_heads, head_dim] (any strides) into the caches; -1 skips.
 
     An fp8 cache takes its [1] fp32 scales: it stores clamp(x / scale) in 8 bits. The caches
-    are contiguous, or v_cache is channel_major (as the engine keeps an 8-bit V).
+    are contiguous, or v_cache is channel_major (as the engine keeps an 8-bit V). k_out /
+    v_out (contiguous, key's shape): also receive the values stored, cast to their dtype
+    (exact for an 8-bit cache and a 16-bit or fp32 out), every token's row, -1 included:
+    what paged_prefill takes as this step's K/V over an 8-bit cache.
     """
     assert triton is not None, "store_kv needs triton; use store_kv_ref"
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -145,13 +162,17 @@ def store_kv(
         assert k_scale.dtype == v_scale.dtype == torch.float32, (k_scale.dtype, v_scale.dtype)
         assert k_scale.device == v_scale.device == k_cache.device
         fp8_max = torch.finfo(k_cache.dtype).max
+    write_out = k_out is not None
+    if write_out:
+        assert v_out is not None and k_out.shape == v_out.shape == key.shape, key.shape
+        assert k_out.is_contiguous() and v_out.is_contiguous()
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+        key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_out, v_out,
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), *v_cache.stride(), v_cache.shape[1],
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        FP8_MAX=fp8_max, num_warps=4,
+        FP8_MAX=fp8_max, WRITE_OUT=write_out, num_warps=4,
     )

@@ -84,7 +84,15 @@ class Attention(UsesBackend, nn.Module):
         k_cache, v_cache = self.k_cache, self.v_cache
         scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         if self.backend.triton:
-            if not stored:
+            if not stored and store_kv.is_fp8(k_cache.dtype) and not meta.is_decode:
+                # The prefill kernel takes this step's K/V as stored (8-bit values, cast back)
+                # and reads them contiguously, not through the block table.
+                k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+                v_out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+                store_kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, **scales,
+                                  k_out=k_out, v_out=v_out)
+                k, v = k_out, v_out
+            elif not stored:
                 store_kv.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
             return gpu_attention(q, k, v, k_cache, v_cache, meta, self.scale, **scales)
         assert not stored, "only the Triton rotary kernel stores K/V"
@@ -110,7 +118,8 @@ def gpu_attention(
 ) -> torch.Tensor:
     """The Triton kernels over a step whose K/V are already stored: decode rows through the
     decode kernel, prefill chunks through the prefill kernel (reading this step's k/v
-    directly), a mixed step's leading decode rows split off into the decode kernel."""
+    directly: as the cache holds them, so an 8-bit cache's values cast back, store_kv's
+    k_out / v_out), a mixed step's leading decode rows split off into the decode kernel."""
     scales = dict(k_scale=k_scale, v_scale=v_scale)
     if meta.is_decode:
         return paged_decode.paged_decode(

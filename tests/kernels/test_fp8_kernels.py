@@ -92,9 +92,13 @@ def test_store_kv_fp8_on_the_grid(fp8, channel):
     slots[3] = -1
     out, ref = kv.clone(), kv.clone()
     v_out, v_ref = ((channel_major(x[1, 1]) if channel else x[1, 1]) for x in (out, ref))
-    store_kv(key, value, out[0, 1], v_out, slots, k_scale, v_scale)
+    # k_out / v_out: the stored values cast back, every row (slot -1's too)
+    k_back, v_back = torch.full_like(key, float("nan")), torch.full_like(value, float("nan"))
+    store_kv(key, value, out[0, 1], v_out, slots, k_scale, v_scale, k_out=k_back, v_out=v_back)
     store_kv_ref(key, value, ref[0, 1], v_ref, slots, k_scale, v_scale)
     assert torch.equal(as_bytes(out), as_bytes(ref))
+    assert torch.equal(k_back, quantize_ref(key, k_scale, fp8).float())
+    assert torch.equal(v_back, grid.to(fp8).float())
     fmax = torch.finfo(fp8).max
     assert out[0, 1].view(-1, 2, 64)[slots[0], 0, :2].float().tolist() == [fmax, -fmax]
     # Each stored V row sits at its slot in the layout's indexing, every other byte unchanged.
@@ -292,6 +296,50 @@ def test_prefill_fp8_gpu(fp8, dtype):
     check_prefill(fp8, 16, 2, 128, dtype, 8)
     check_prefill(fp8, 16, 2, 128, dtype, 8, channel=False)
     check_prefill(fp8, 32, 4, 64, dtype, 2)
+
+
+def check_prefill_fresh(fp8, dtype, spec, has_prefix=True):
+    """This step's K/V given as the stored 8-bit values cast to q's dtype (what the engine
+    passes), read contiguously: the cache's copies of them are NaN afterwards, so a read of
+    them through the block table would show."""
+    torch.manual_seed(1)
+    inputs, max_q = prefill_case.make_inputs(spec, 16, 2, 64, dtype, 2)
+    q, k_cache, v_cache, tables, cu, context_lens = inputs
+    k8, v8 = fp8_cache(k_cache, fp8), fp8_cache(v_cache, fp8, channel=True)
+    k_scale, v_scale = scales(0.04, 0.025)
+    ref = paged_prefill_ref(q, k8, v8, tables, cu, context_lens, 0.1, k_scale=k_scale,
+                            v_scale=v_scale)
+    slots = torch.cat([tables[i, torch.arange(p, p + n, device=DEVICE) // 16].long() * 16
+                       + torch.arange(p, p + n, device=DEVICE) % 16
+                       for i, (p, n) in enumerate(spec)])  # fmt: skip
+    nan = as_bytes(torch.tensor([float("nan")], device=DEVICE).to(fp8))
+    news = []
+    for cache in (k8, v8):
+        rows = cache.reshape(-1, *cache.shape[2:])  # a copy for the channel-major V
+        news.append(rows[slots].to(dtype))
+        tokens = as_bytes(cache).view(-1, *cache.shape[2:]) if cache.is_contiguous() else None
+        if tokens is not None:
+            tokens[slots] = nan
+        else:
+            as_bytes(cache)[slots // 16, slots % 16] = nan
+    out = paged_prefill(q, k8, v8, tables, cu, context_lens, 0.1, max_q, k_scale=k_scale,
+                        v_scale=v_scale, k_new=news[0], v_new=news[1], has_prefix=has_prefix)
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("dtype", [f16, f32])
+def test_prefill_fp8_fresh_kv(fp8, dtype):
+    check_prefill_fresh(fp8, dtype, prefill_case.mixed_spec(16))
+    check_prefill_fresh(fp8, dtype, [(0, 70), (0, 5), (0, 1), (0, 33)], has_prefix=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_prefill_fp8_fresh_kv_gpu(fp8):
+    spec = [(0, 512), (0, 300), (700, 200), (0, 1), (33, 1000)]
+    check_prefill_fresh(fp8, bf16, spec)
+    check_prefill_fresh(fp8, bf16, [(0, 512)] * 4 + [(0, 77)], has_prefix=False)
 
 
 @pytest.mark.parametrize("fp8", [E4M3, E5M2])
