@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nanopaged.kernels.store_kv import channel_major, is_fp8
+from nanopaged.kernels.store_kv import is_fp8, v_layout_ok
 
 try:
     import triton
@@ -189,8 +189,7 @@ def check_paged_inputs(
     assert k_cache.dtype == q.dtype or is_fp8(k_cache.dtype), (q.dtype, k_cache.dtype)
     assert v_cache.shape == k_cache.shape and k_cache.is_contiguous()
     # V: laid out as K, or channel-major (store_kv.channel_major, the engine's 8-bit V)
-    assert v_cache.stride() in (k_cache.stride(), channel_major(k_cache).stride()), (
-        v_cache.stride())
+    assert v_layout_ok(k_cache, v_cache), v_cache.stride()
     assert q.stride(2) == 1, q.stride()
     assert block_tables.dtype == torch.int32 and block_tables.dim() == 2, block_tables.dtype
     assert block_tables.stride(1) == 1, block_tables.stride()

@@ -30,6 +30,14 @@ def channel_major(v_cache: torch.Tensor) -> torch.Tensor:
     return v_cache.view(num_blocks, num_kv_heads, head_dim, block_size).permute(0, 3, 1, 2)
 
 
+def v_layout_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether v_cache is laid out as the contiguous k_cache or channel_major (the layouts
+    the kernels take); from the strides alone, as the launchers check it on every call."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    row = block_size * num_kv_heads * head_dim
+    return v_cache.stride() in (k_cache.stride(), (row, 1, head_dim * block_size, block_size))
+
+
 def quantize_ref(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x / scale, clamped to dtype's finite range, cast to the 8-bit dtype; scale: [1] fp32."""
     fmax = torch.finfo(dtype).max
@@ -151,8 +159,7 @@ def store_kv(
     assert k_cache.dim() == 4 and k_cache.shape[2:] == (num_kv_heads, head_dim), k_cache.shape
     assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
     assert k_cache.is_contiguous()
-    assert v_cache.stride() in (k_cache.stride(), channel_major(k_cache).stride()), (
-        v_cache.stride())
+    assert v_layout_ok(k_cache, v_cache), v_cache.stride()
     assert slot_mapping.shape == (num_tokens,), slot_mapping.shape
     assert slot_mapping.dtype in (torch.int32, torch.int64), slot_mapping.dtype
     assert key.device == k_cache.device == slot_mapping.device

@@ -7,7 +7,7 @@ import pytest
 import test_paged_decode as decode_case
 import test_paged_prefill as prefill_case
 import torch
-from kernel_inputs import DEVICE, assert_close, make_kv_cache
+from kernel_inputs import DEVICE, assert_close, make_kv_cache, step_slots
 from test_store_kv import packed_qkv
 
 from nanopaged.kernels.copy_blocks import copy_blocks, copy_blocks_ref
@@ -18,7 +18,13 @@ from nanopaged.kernels.paged_decode import (
     paged_decode_ref,
 )
 from nanopaged.kernels.paged_prefill import paged_prefill, paged_prefill_ref
-from nanopaged.kernels.store_kv import channel_major, quantize_ref, store_kv, store_kv_ref
+from nanopaged.kernels.store_kv import (
+    channel_major,
+    quantize_ref,
+    store_kv,
+    store_kv_ref,
+    v_layout_ok,
+)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
@@ -309,19 +315,13 @@ def check_prefill_fresh(fp8, dtype, spec, has_prefix=True):
     k_scale, v_scale = scales(0.04, 0.025)
     ref = paged_prefill_ref(q, k8, v8, tables, cu, context_lens, 0.1, k_scale=k_scale,
                             v_scale=v_scale)
-    slots = torch.cat([tables[i, torch.arange(p, p + n, device=DEVICE) // 16].long() * 16
-                       + torch.arange(p, p + n, device=DEVICE) % 16
-                       for i, (p, n) in enumerate(spec)])  # fmt: skip
+    slots = step_slots(tables, spec, 16)
     nan = as_bytes(torch.tensor([float("nan")], device=DEVICE).to(fp8))
     news = []
     for cache in (k8, v8):
-        rows = cache.reshape(-1, *cache.shape[2:])  # a copy for the channel-major V
-        news.append(rows[slots].to(dtype))
-        tokens = as_bytes(cache).view(-1, *cache.shape[2:]) if cache.is_contiguous() else None
-        if tokens is not None:
-            tokens[slots] = nan
-        else:
-            as_bytes(cache)[slots // 16, slots % 16] = nan
+        news.append(cache[slots // 16, slots % 16].to(dtype))
+        as_bytes(cache)[slots // 16, slots % 16] = nan
+    assert torch.isnan(v8[slots // 16, slots % 16].float()).all()
     out = paged_prefill(q, k8, v8, tables, cu, context_lens, 0.1, max_q, k_scale=k_scale,
                         v_scale=v_scale, k_new=news[0], v_new=news[1], has_prefix=has_prefix)
     assert_close(out, ref, dtype)
@@ -352,6 +352,15 @@ def test_copy_blocks_fp8(fp8):
     copy_blocks_ref(ref, src, dst)
     assert torch.equal(as_bytes(out), as_bytes(ref))
     assert torch.equal(as_bytes(out[:, :, 9]), as_bytes(kv[:, :, 4]))
+
+
+def test_v_layouts_the_kernels_take():
+    kv = make_kv_cache(5, 16, 2, 64, f32).to(E4M3)
+    k, v = kv[0, 0], kv[1, 0]
+    assert v_layout_ok(k, v) and v_layout_ok(k, channel_major(v))
+    # head-major blocks, or channels outside heads, are neither
+    assert not v_layout_ok(k, v.view(5, 2, 16, 64).permute(0, 2, 1, 3))
+    assert not v_layout_ok(k, v.view(5, 16, 64, 2).permute(0, 1, 3, 2))
 
 
 def test_quantize_ref_clamps_to_finite():
