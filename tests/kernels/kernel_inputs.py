@@ -54,6 +54,16 @@ def make_block_tables(
     return tables.to(DEVICE)
 
 
+def step_slots(block_tables: torch.Tensor, spec, block_size: int) -> torch.Tensor:
+    """The cache slots of each sequence's step tokens, packed like q; spec: (cached prefix
+    length, q_len) per sequence."""
+    slots = []
+    for i, (prefix, q_len) in enumerate(spec):
+        pos = torch.arange(prefix, prefix + q_len, device=DEVICE)
+        slots.append(block_tables[i, pos // block_size].long() * block_size + pos % block_size)
+    return torch.cat(slots)
+
+
 def blocks_needed(context_lens: list[int], block_size: int) -> int:
     """Total physical blocks for these contexts, plus slack so the pool is not all used."""
     return sum(-(-n // block_size) for n in context_lens) + 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_inputs import DEVICE, assert_close
+from kernel_inputs import DEVICE, assert_close, step_slots
 from test_paged_prefill import make_inputs
 
 from nanopaged.kernels import paged_decode
@@ -19,12 +19,7 @@ def step_kv(inputs, spec):
     """This step's K/V (the last q_len positions of each sequence) gathered from the cache,
     packed like q."""
     q, k_cache, v_cache, block_tables, _, _ = inputs
-    block_size = k_cache.shape[1]
-    slots = []
-    for i, (prefix, q_len) in enumerate(spec):
-        pos = torch.arange(prefix, prefix + q_len, device=DEVICE)
-        slots.append(block_tables[i, pos // block_size].long() * block_size + pos % block_size)
-    slots = torch.cat(slots)
+    slots = step_slots(block_tables, spec, k_cache.shape[1])
     return tuple(c.view(-1, *c.shape[2:])[slots] for c in (k_cache, v_cache))
 
 

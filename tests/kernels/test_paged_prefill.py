@@ -13,6 +13,7 @@ from kernel_inputs import (
     make_block_tables,
     make_kv_cache,
     poison_allocator,
+    step_slots,
 )
 
 from nanopaged.kernels.paged_prefill import paged_prefill, paged_prefill_launch, paged_prefill_ref
@@ -118,11 +119,7 @@ def fresh_inputs(inputs, spec):
     q, k_cache, v_cache, block_tables, cu, context_lens = inputs
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     ref = paged_prefill_ref(*inputs, 0.1)
-    slots = []
-    for i, (prefix, q_len) in enumerate(spec):
-        pos = torch.arange(prefix, prefix + q_len, device=DEVICE)
-        slots.append(block_tables[i, pos // block_size].long() * block_size + pos % block_size)
-    slots = torch.cat(slots)
+    slots = step_slots(block_tables, spec, block_size)
     wide = torch.randn(q.shape[0], 3 * num_kv_heads + 1, head_dim, device=DEVICE).to(q.dtype)
     k_new, v_new = wide[:, 1 : 1 + num_kv_heads], wide[:, 1 + num_kv_heads : 1 + 2 * num_kv_heads]
     for new, cache in ((k_new, k_cache), (v_new, v_cache)):
