@@ -310,7 +310,7 @@ if triton is not None:
         HAS_ORDER: tl.constexpr,
     ):
         # One program: all GROUP query heads of one KV head of one sequence, over one KV split,
-        # so every K/V tile is read once; the group is padded to GROUP_PAD >= 16 dot rows.
+        # so every K/V tile is read once; the group is padded to GROUP_PAD (decode_group_pad).
         # IS_FP8: K/V tiles are cast up (exact) in registers; k_scale folds into the softmax
         # scale and v_scale into the output, the same product as dequantizing. With a 16-bit
         # q (SWAP_AB) the dots run transposed in fp16, see _swapped_tiles; with an fp32 q
@@ -458,6 +458,15 @@ def decode_config(
     return block_n, 4, 2
 
 
+def decode_group_pad(group: int) -> int:
+    """The dot side a KV head's query group is padded to by default: at least 16 (the rows of
+    q K^T; the columns of K q^T on the transposed 8-bit path, where paged_decode_launch also
+    takes 8, one mma.sync tile's width: compiled offline for sm_90 (Triton 3.6, group 2,
+    64-token tiles, two warps) its loop issues 521 instructions a tile with 168 registers,
+    against 744 with 208 at 16; not yet timed on a GPU)."""
+    return max(16, triton.next_power_of_2(group))
+
+
 def choose_num_splits(
     batch: int, num_kv_heads: int, max_context_len: int, block_n: int, sms: int
 ) -> int:
@@ -503,8 +512,10 @@ def paged_decode_launch(
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     order: torch.Tensor | None = None,
+    group_pad: int | None = None,
 ) -> torch.Tensor:
-    """paged_decode with every launch choice explicit (tests and the benchmark sweep use it)."""
+    """paged_decode with every launch choice explicit (tests and the benchmark sweep use it).
+    group_pad: the dot side the query group is padded to (default decode_group_pad's)."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -526,16 +537,22 @@ def paged_decode_launch(
         # came out wrong on an H200 (and read out of bounds). mma.sync, 1-2 warps, is right.
         raise ValueError(f"num_warps must be 1 or 2 for an 8-bit cache with a 16-bit q, "
                          f"got {num_warps}")
+    swap_ab = fp8 and q.dtype != torch.float32
+    if group_pad is None:
+        group_pad = decode_group_pad(group)
+    if group_pad < max(8 if swap_ab else 16, group) or group_pad & (group_pad - 1):
+        raise ValueError(f"group_pad must be a power of two >= the query group ({group}) and "
+                         f">= {8 if swap_ab else 16}, got {group_pad}")
     _paged_decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens,
         context_lens if order is None else order, out, part_out, part_lse,
         k_scale, v_scale, scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache.stride(),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, NUM_STAGES=num_stages,
         PREFETCH=prefetch, DOT_PRECISION=dot_precision(q.dtype), IS_FP8=fp8,
-        SWAP_AB=fp8 and q.dtype != torch.float32, V_CHANNEL_MAJOR=v_cache.stride(1) == 1,
+        SWAP_AB=swap_ab, V_CHANNEL_MAJOR=v_cache.stride(1) == 1,
         HAS_ORDER=order is not None, num_warps=num_warps, num_stages=num_stages,
     )
     if split:

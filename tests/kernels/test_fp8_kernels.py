@@ -175,14 +175,16 @@ def test_decode_fp8(fp8, block_size, group, head_dim, dtype, num_kv_heads, chann
 
 @pytest.mark.parametrize("fp8", [E4M3, E5M2])
 @pytest.mark.parametrize("block_n,num_splits", [(16, 1), (16, 3), (32, 7)])
-def test_decode_fp8_tiles_and_splits(fp8, block_n, num_splits):
+@pytest.mark.parametrize("group,group_pad", [(2, None), (2, 8), (8, 8)])
+def test_decode_fp8_tiles_and_splits(fp8, block_n, num_splits, group, group_pad):
     # The transposed (16-bit q) path with tiles smaller than a block and split contexts: whole
-    # tiles, partial last tiles and splits past a context's end.
+    # tiles, partial last tiles and splits past a context's end; the query group padded to
+    # the default 16 columns or to 8.
     lens = [1, 15, 16, 17, 53, 64, 100]
-    inputs = fp8_decode_inputs(fp8, lens, 8, 2, 64, f16, 2)
+    inputs = fp8_decode_inputs(fp8, lens, 8, group, 64, f16, 2)
     k_scale, v_scale = scales(0.04, 0.025)
     out = paged_decode_launch(*inputs, 0.1, num_splits, block_n, 2, 2, k_scale=k_scale,
-                              v_scale=v_scale)
+                              v_scale=v_scale, group_pad=group_pad)
     ref = paged_decode_ref(*inputs, 0.1, k_scale=k_scale, v_scale=v_scale)
     assert_close(out, ref, f16)
 
@@ -247,9 +249,22 @@ def test_decode_fp8_launch_configs_gpu(block_n, num_warps, block_size):
     ref = paged_decode_ref(*inputs, 0.1, k_scale=k_scale, v_scale=v_scale)
     for num_stages in (2, 3, 4):
         for num_splits in (1, 3):
-            out = paged_decode_launch(*inputs, 0.1, num_splits, block_n, num_warps, num_stages,
-                                      k_scale=k_scale, v_scale=v_scale)
-            assert_close(out, ref, bf16)
+            for group_pad in (8, 16):
+                out = paged_decode_launch(*inputs, 0.1, num_splits, block_n, num_warps,
+                                          num_stages, k_scale=k_scale, v_scale=v_scale,
+                                          group_pad=group_pad)  # fmt: skip
+                assert_close(out, ref, bf16)
+
+
+@pytest.mark.parametrize("dtype,group_pad", [(f16, 4), (f16, 12), (f32, 8)])
+def test_decode_refuses_bad_group_pad(dtype, group_pad):
+    # The transposed path (16-bit q over an 8-bit cache) pads the group to >= 8 columns, the
+    # other to >= 16 rows; powers of two only.
+    inputs = fp8_decode_inputs(E4M3, [40], 16, 2, 64, dtype, 1)
+    k_scale, v_scale = scales(0.04, 0.025)
+    with pytest.raises(ValueError, match=rf"group_pad must be a power of two .* got {group_pad}"):
+        paged_decode_launch(*inputs, 0.1, 1, 16, 2, 2, k_scale=k_scale, v_scale=v_scale,
+                            group_pad=group_pad)
 
 
 def test_decode_fp8_refuses_four_warps():
