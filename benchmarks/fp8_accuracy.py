@@ -2,9 +2,12 @@
 
 python benchmarks/fp8_accuracy.py                 embedded SmolLM2 (CPU), benchmarks/
                                                   fp8_accuracy_text.txt, e4m3 and e5m2
-python benchmarks/fp8_accuracy.py --scales calibrated
-                                                  per-layer scales from the full-precision
-                                                  run's K/V maxima instead of 1.0
+python benchmarks/fp8_accuracy.py --scales calculated
+                                                  per-layer scales calculated by the engine
+                                                  (calculate_kv_scales=True) from a first
+                                                  request of the same text, instead of 1.0
+python benchmarks/fp8_accuracy.py --per-layer     e4m3 rounding of one layer's K/V at a time
+                                                  (the rest in full precision)
 python benchmarks/fp8_accuracy.py --gpu [--json PATH]
                                                   random Qwen3-0.6B-shaped bf16 model on CUDA,
                                                   random token sequences, fp8 against bf16 KV
@@ -25,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from nanopaged import LLM
+from nanopaged import LLM, SamplingParams
 from nanopaged.engine.prompt_logprobs import compute_prompt_logprobs
 
 TEXT = Path(__file__).resolve().parent / "fp8_accuracy_text.txt"
@@ -56,31 +59,30 @@ def teacher_forced_hooked(llm: LLM, sequences: list[list[int]], make_hook):
             h.remove()
 
 
-def kv_maxima(llm: LLM, sequences: list[list[int]]) -> torch.Tensor:
-    """[2, num_layers]: the largest |K| and |V| each layer stores over the sequences."""
-    amax = torch.zeros(2, len(llm.runner.attention_layers))
+def rounded_kv(llm: LLM, dtype: torch.dtype, sequences: list[list[int]],
+               layers: set[int] | None = None):  # fmt: skip
+    """teacher_forced with the K/V values of `layers` (default: all) rounded to dtype before
+    they are stored: what a KV cache of that dtype gives an fp32 model (a reference for what
+    8-bit K/V cost)."""
 
-    def hook(i: int):
-        def record(module, args):
-            _, k, v, _ = args
-            amax[0, i] = max(amax[0, i], k.abs().max().item())
-            amax[1, i] = max(amax[1, i], v.abs().max().item())
+    def make_hook(i: int):
+        def round_kv(module, args):
+            q, k, v, meta = args
+            if layers is not None and i not in layers:
+                return None
+            return q, k.to(dtype).to(k.dtype), v.to(dtype).to(v.dtype), meta
 
-        return record
+        return round_kv
 
-    teacher_forced_hooked(llm, sequences, hook)
-    return amax
+    return teacher_forced_hooked(llm, sequences, make_hook)
 
 
-def rounded_kv(llm: LLM, dtype: torch.dtype, sequences: list[list[int]]):
-    """teacher_forced with every K/V value rounded to dtype before it is stored: what a KV
-    cache of that dtype gives an fp32 model (a reference for what 8-bit K/V cost)."""
-
-    def round_kv(module, args):
-        q, k, v, meta = args
-        return q, k.to(dtype).to(k.dtype), v.to(dtype).to(v.dtype), meta
-
-    return teacher_forced_hooked(llm, sequences, lambda i: round_kv)
+def calculate_scales(llm: LLM, sequences: list[list[int]]) -> None:
+    """Let an engine made with calculate_kv_scales=True set its scales from a first request:
+    the first sequence less its last token (prompt logprobs' own pass does not calculate)."""
+    first = sequences[0][:-1]
+    llm.generate([first], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert not llm.runner.calibrate_kv
 
 
 def free_memory() -> None:
@@ -99,7 +101,6 @@ def compare(make_llm, sequences: list[list[int]], scales: str) -> dict:
     base = make_llm("auto")
     t = time.perf_counter()
     base_top1, base_lp = teacher_forced(base, sequences)
-    amax = kv_maxima(base, sequences) if scales == "calibrated" else None
     # An fp32 model: also K/V rounded to bf16, the 16-bit cache's own cost, as a yardstick.
     model_dtype = next(base.runner.model.parameters()).dtype
     bf16 = rounded_kv(base, torch.bfloat16, sequences) if model_dtype == torch.float32 else None
@@ -113,10 +114,10 @@ def compare(make_llm, sequences: list[list[int]], scales: str) -> dict:
         if dtype is None:
             top1, lp = bf16
         else:
-            llm = make_llm(name)
-            if amax is not None:
-                # 2x headroom over the observed maxima, for text the calibration did not see.
-                llm.runner.kv_scales.copy_(amax * 2 / torch.finfo(dtype).max)
+            llm = make_llm(name, scales == "calculated")
+            if scales == "calculated":
+                calculate_scales(llm, sequences)
+                result.setdefault("scales_by_format", {})[name] = llm.runner.kv_scales.tolist()
             top1, lp = teacher_forced(llm, sequences)
             del llm
             free_memory()
@@ -132,12 +133,33 @@ def compare(make_llm, sequences: list[list[int]], scales: str) -> dict:
     return result
 
 
+def per_layer(llm: LLM, sequences: list[list[int]]) -> dict:
+    """Top-1 agreement and perplexity with one layer's K/V rounded to e4m3 at a time, the
+    other layers' in the model's dtype: how the 8-bit cost spreads over the layers."""
+    base_top1, base_lp = teacher_forced(llm, sequences)
+    ppl = perplexity(base_lp)
+    rows = []
+    for i in range(len(llm.runner.attention_layers)):
+        top1, lp = rounded_kv(llm, torch.float8_e4m3fn, sequences, {i})
+        agree = sum(a == b for a, b in zip(top1, base_top1)) / len(top1)
+        rows.append({"layer": i, "top1_agreement": agree,
+                     "perplexity_change": perplexity(lp) / ppl - 1})  # fmt: skip
+        print(f"layer {i}: top-1 agreement {100 * agree:.2f}%, perplexity "
+              f"{100 * rows[-1]['perplexity_change']:+.2f}%", flush=True)  # fmt: skip
+    agreements = sorted(r["top1_agreement"] for r in rows)
+    print(f"one layer in e4m3: agreement {100 * agreements[0]:.2f}-{100 * agreements[-1]:.2f}%"
+          f", median {100 * agreements[len(rows) // 2]:.2f}%")  # fmt: skip
+    return {"positions": len(base_top1), "perplexity_auto": ppl, "layers": rows}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--gpu", action="store_true", help="random Qwen3-0.6B shape on CUDA")
-    parser.add_argument("--scales", choices=["fixed", "calibrated"], default="fixed")
+    parser.add_argument("--scales", choices=["fixed", "calculated"], default="fixed")
+    parser.add_argument("--per-layer", action="store_true",
+                        help="CPU: e4m3 rounding of one layer's K/V at a time")
     parser.add_argument("--max-tokens", type=int, default=None, help="CPU: first N text tokens")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -149,9 +171,9 @@ def main(argv: list[str] | None = None) -> dict:
         rng = random.Random(0)
         sequences = [[rng.randrange(0, 100000) for _ in range(1024)] for _ in range(4)]
 
-        def make_llm(kv: str) -> LLM:
+        def make_llm(kv: str, calculate: bool = False) -> LLM:
             return LLM(model_dir, kv_cache_dtype=kv, max_model_len=2048, enforce_eager=True,
-                       gpu_memory_utilization=0.5)  # fmt: skip
+                       gpu_memory_utilization=0.5, calculate_kv_scales=calculate)  # fmt: skip
 
         device = torch.cuda.get_device_name()
     else:
@@ -160,11 +182,15 @@ def main(argv: list[str] | None = None) -> dict:
         del probe
         sequences = [ids]
 
-        def make_llm(kv: str) -> LLM:
-            return LLM(kv_cache_dtype=kv, kv_cache_memory=256 << 20, max_model_len=len(ids))
+        def make_llm(kv: str, calculate: bool = False) -> LLM:
+            return LLM(kv_cache_dtype=kv, kv_cache_memory=256 << 20, max_model_len=len(ids),
+                       calculate_kv_scales=calculate)  # fmt: skip
 
         device = "cpu"
-    result = {"device": device, **compare(make_llm, sequences, args.scales)}
+    if args.per_layer:
+        result = {"device": device, **per_layer(make_llm("auto"), sequences)}
+    else:
+        result = {"device": device, **compare(make_llm, sequences, args.scales)}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

@@ -283,6 +283,9 @@ class EngineConfig:
     load_format: str = "auto"
     # "auto": K/V in the model's dtype; "fp8"/"fp8_e4m3"/"fp8_e5m2": 8 bits with scales.
     kv_cache_dtype: str = "auto"
+    # An 8-bit cache's per-layer scales from the first forward pass's K/V (else the
+    # checkpoint's, else 1.0); no effect with kv_cache_dtype="auto".
+    calculate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -290,6 +293,9 @@ class EngineConfig:
                 f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
                 f"got {self.kv_cache_dtype!r}"
             )
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise TypeError(f"calculate_kv_scales must be a bool, got "
+                            f"{type(self.calculate_kv_scales).__name__}")  # fmt: skip
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(

@@ -150,6 +150,7 @@ class LLM:
         generation_config: str | os.PathLike = "auto",
         load_format: str = "auto",
         kv_cache_dtype: str = "auto",
+        calculate_kv_scales: bool = False,
     ) -> None:
         _check_engine_args(model, trust_remote_code, quantization)
         self._workers: TPWorkers | None = None
@@ -169,6 +170,7 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             load_format=load_format,
             kv_cache_dtype=kv_cache_dtype,
+            calculate_kv_scales=calculate_kv_scales,
         )
         requested_dtype = parse_dtype(dtype)
         self.device = _resolve_device(device)

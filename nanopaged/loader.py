@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import zlib
 from collections.abc import Iterable, Iterator
@@ -13,8 +14,17 @@ from torch import nn
 
 from nanopaged.layers.linear import default_weight_loader
 
-# Checkpoint entries that carry nothing we use (precomputed rotary tables of old exports).
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Checkpoint entries that carry nothing we use: precomputed rotary tables of old exports, and
+# the query / softmax-probability scales of checkpoints made for 8-bit attention arithmetic
+# (nanopaged attends in 16 or 32 bits).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "self_attn.q_scale", "self_attn.prob_scale")
+# Per-layer KV cache scales of checkpoints calibrated for an 8-bit KV cache (llm-compressor,
+# ModelOpt): self_attn.k_scale / v_scale, the older single self_attn.kv_scale for both, or
+# compressed-tensors' k_proj / v_proj.output_scale. Each is the factor an 8-bit value is
+# multiplied by to give K or V back.
+_KV_SCALE_NAME = re.compile(
+    r"layers\.(\d+)\.self_attn\.(?:(k|v|kv)_scale|(k|v)_proj\.output_scale)$"
+)
 # load_format="dummy" draws every weight from U(-r, r), as vLLM does: small enough that
 # activations stay finite through any depth.
 DUMMY_WEIGHT_RANGE = 1e-3
@@ -73,10 +83,39 @@ def load_dummy_weights(
     _load(model, _dummy_tensors(shapes, seed, first.dtype, first.device), "dummy weights")
 
 
+def _kv_scale(
+    name: str, tensor: torch.Tensor, path: object, num_layers: int
+) -> tuple[int, str, float] | None:
+    """(layer, "k" | "v" | "kv", value) when `name` is a checkpoint's KV cache scale, else
+    None; ValueError for a scale that cannot be one (not a single positive finite number, or
+    of a layer the model lacks)."""
+    match = _KV_SCALE_NAME.search(name)
+    if match is None:
+        return None
+    layer, which = int(match.group(1)), match.group(2) or match.group(3)
+    if tensor.numel() != 1:
+        raise ValueError(
+            f"KV cache scale {name!r} in {path} has shape {tuple(tensor.shape)}; nanopaged "
+            "takes one scale per layer for K and one for V (a single value)"
+        )
+    value = float(tensor.float().item())
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"KV cache scale {name!r} in {path} must be positive and finite, "
+                         f"got {value}")  # fmt: skip
+    if layer >= num_layers:
+        raise ValueError(f"KV cache scale {name!r} in {path} names layer {layer}; the model "
+                         f"has {num_layers}")  # fmt: skip
+    return layer, which, value
+
+
 def _load(
     model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor, object]], where: str
 ) -> None:
+    """Weights into the model's parameters; KV cache scales into model.checkpoint_kv_scales
+    ({layer: {"k": value, "v": value}}, for the runner to use with an 8-bit cache)."""
     params = dict(model.named_parameters(remove_duplicate=False))
+    num_layers = getattr(getattr(model, "config", None), "num_layers", 0)
+    kv_scales: dict[int, dict[str, float]] = {}
     packed = getattr(model, "packed_modules", {})
     experts = getattr(model, "expert_modules", {})
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
@@ -86,6 +125,12 @@ def _load(
             continue
         if tied and name == "lm_head.weight":
             continue  # the head is the embedding; some exports still save it
+        scale = _kv_scale(name, tensor, path, num_layers)
+        if scale is not None:
+            layer, which, value = scale
+            for part in ("k", "v") if which == "kv" else (which,):
+                kv_scales.setdefault(layer, {})[part] = value
+            continue
         target, shard_id = name, None
         expert = _EXPERT_NAME.search(name) if experts else None
         if expert is not None and expert.group(2) in experts:
@@ -126,3 +171,4 @@ def _load(
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"weights missing from {where}: {', '.join(missing[:8])}")
+    model.checkpoint_kv_scales = kv_scales

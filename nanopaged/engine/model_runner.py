@@ -207,14 +207,23 @@ class ModelRunner:
         pack_model(self.model)  # CPU bf16 only: oneDNN-packed GEMM weights
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # kv_scales: [2, num_layers] fp32, K and V scale of each layer (an fp8 cache holds
-        # x / scale). Fixed at 1.0: measured on SmolLM2, scales calibrated from activations
-        # agreed no better with full precision (benchmarks/fp8_accuracy.py). The kernels read
-        # them from the device, so CUDA graphs follow any later change. Under tensor
-        # parallelism each rank holds its own (the same values).
+        # x / scale). 1.0 unless the checkpoint has its own (model.checkpoint_kv_scales) or
+        # calculate_kv_scales asks for them from the first forward pass (then
+        # self.calibrate_kv until it ran, see execute). Measured on SmolLM2, scales
+        # calibrated from activations agreed no better with full precision than 1.0
+        # (benchmarks/fp8_accuracy.py); they matter for K/V beyond the format's range. The
+        # kernels read them from the device, so CUDA graphs follow any later change. Under
+        # tensor parallelism each rank holds its own (calculated: from its own heads).
         self.kv_scales: torch.Tensor | None = None
+        self.calibrate_kv = False
         if is_fp8(self.kv_cache_dtype):
             layers = len(self.attention_layers)
             self.kv_scales = torch.ones(2, layers, dtype=torch.float32, device=device)
+            if not engine_config.calculate_kv_scales:
+                for i, parts in getattr(self.model, "checkpoint_kv_scales", {}).items():
+                    for row, part in enumerate("kv"):
+                        if part in parts:
+                            self.kv_scales[row, i] = parts[part]
             for i, layer in enumerate(self.attention_layers):
                 layer.k_scale = self.kv_scales[0, i : i + 1]
                 layer.v_scale = self.kv_scales[1, i : i + 1]
@@ -258,6 +267,8 @@ class ModelRunner:
             # The copy-on-write kernel too (the first fork of n > 1 or a beam would compile it
             # mid-run): block 0 onto block 1, before any block holds a token.
             copy_block_pairs(self.kv_cache, [(0, 1)])
+        # Set last: nothing above (profiling, graph capture, warm-ups) calibrates.
+        self.calibrate_kv = self.kv_scales is not None and engine_config.calculate_kv_scales
         if workers is not None:
             # Weakly: a strong reference back to the runner would make the pair a cycle, which
             # only the garbage collector frees (and the LLM freezes start-up's objects out of
@@ -512,6 +523,7 @@ class ModelRunner:
         batch_size = len(step.context_lens)
         return (
             self.graphs is not None
+            and not self.calibrate_kv  # the calibrating pass runs eagerly
             and len(step.input_ids) == batch_size
             and self.graphs.can_run(batch_size)
         )
@@ -662,6 +674,8 @@ class ModelRunner:
                 dict(positions=step.positions, slots=step.slots, tables=step.tables,
                      context_lens=step.context_lens, cu_seqlens_q=step.cu_seqlens_q)
             )  # fmt: skip
+            # calculate_kv_scales: this first forward pass sets them before it stores K/V.
+            meta.calibrate_kv, self.calibrate_kv = self.calibrate_kv, False
             if pending is not None and pending[0] is None:
                 ids = pending[1]  # every input id is a pending sample, in its row
             else:

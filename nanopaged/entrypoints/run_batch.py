@@ -335,6 +335,9 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="fp8 (= fp8_e4m3) or fp8_e5m2: K/V in 8 bits")  # fmt: skip
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="8-bit KV scales from the first forward pass (else the checkpoint's, "
+                        "else 1.0)")  # fmt: skip
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--generation-config", default="auto")
@@ -355,6 +358,7 @@ def main(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=args.kv_cache_dtype,
+        calculate_kv_scales=args.calculate_kv_scales,
         gpu_memory_utilization=args.gpu_memory_utilization,
         seed=args.seed,
         generation_config=args.generation_config,

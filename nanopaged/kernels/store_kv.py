@@ -38,6 +38,22 @@ def v_layout_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return v_cache.stride() in (k_cache.stride(), (row, 1, head_dim * block_size, block_size))
 
 
+# calibrated_scale maps this many times a tensor's largest |value| to the format's largest:
+# room for K/V larger than those of the pass that set the scale.
+KV_SCALE_HEADROOM = 2.0
+
+
+def calibrated_scale(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The [1] fp32 scale for storing x in the 8-bit dtype with KV_SCALE_HEADROOM: largest
+    |x| * headroom / the format's largest value; 1.0 when x holds no nonzero finite value.
+    On x's device, with no host sync."""
+    if x.numel() == 0:
+        return torch.ones(1, dtype=torch.float32, device=x.device)
+    amax = x.detach().abs().amax().float().reshape(1)
+    scale = amax * (KV_SCALE_HEADROOM / torch.finfo(dtype).max)
+    return torch.where((amax > 0) & torch.isfinite(amax), scale, torch.ones_like(scale))
+
+
 def quantize_ref(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x / scale, clamped to dtype's finite range, cast to the 8-bit dtype; scale: [1] fp32."""
     fmax = torch.finfo(dtype).max

@@ -38,6 +38,9 @@ class AttentionMetadata:
     decode_plan: paged_decode.DecodePlan | None = None
     # CPU: whether some slot is -1 (a token not to store), found by the first layer.
     skips_slots: bool | None = None
+    # An 8-bit cache's first forward pass under calculate_kv_scales: each layer sets its
+    # K and V scales from this step's K/V (store_kv.calibrated_scale) before storing them.
+    calibrate_kv: bool = False
 
     @property
     def is_decode(self) -> bool:
@@ -82,6 +85,10 @@ class Attention(UsesBackend, nn.Module):
         # stored: the rotary kernel already wrote k and v into the cache (rotary_store).
         assert self.k_cache is not None, "KV cache not bound"
         k_cache, v_cache = self.k_cache, self.v_cache
+        if meta.calibrate_kv and self.k_scale is not None:
+            assert not stored, "an 8-bit cache is stored here, after its scales are set"
+            self.k_scale.copy_(store_kv.calibrated_scale(k, k_cache.dtype))
+            self.v_scale.copy_(store_kv.calibrated_scale(v, v_cache.dtype))
         scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         if self.backend.triton:
             if not stored and store_kv.is_fp8(k_cache.dtype) and not meta.is_decode:

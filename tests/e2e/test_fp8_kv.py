@@ -163,3 +163,147 @@ def test_fp8_e4m3_accuracy_on_smollm2(tmp_path, monkeypatch):
     assert len(top1) == 399
     assert 0.92 <= agreement < 1.0  # < 1: the 8-bit rounding is really there
     assert abs(perplexity(lp_fp8) / perplexity(lp) - 1) < 0.015
+
+
+# KV cache scales: from the checkpoint, or calculated from the first forward pass.
+
+AMPLIFY = 1024.0  # a power of two: scaling by it is exact in fp32
+
+
+def _amplified(src: Path, dst: Path, extra: dict | None = None) -> Path:
+    """The same function as src's model with K and V AMPLIFY times larger (q_proj and o_proj
+    divided by it), so K/V run far past e4m3's 448; extra: tensors to add to the checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    weights = load_file(src / "model.safetensors")
+    for name in weights:
+        if ".k_proj." in name or ".v_proj." in name:
+            weights[name] = weights[name] * AMPLIFY
+        elif ".q_proj." in name or ".o_proj." in name:
+            weights[name] = weights[name] / AMPLIFY
+    save_file({**weights, **(extra or {})}, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def _scored(llm) -> tuple[list[list[int]], list[float]]:
+    p = SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True)
+    outs = [o.outputs[0] for o in llm.generate(_prompts([7, 33], seed=5), p, use_tqdm=False)]
+    return [list(o.token_ids) for o in outs], [o.cumulative_logprob for o in outs]
+
+
+SCALE_NAMES = {
+    "k_scale": ("self_attn.k_scale", "self_attn.v_scale"),
+    "output_scale": ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),
+    "kv_scale": ("self_attn.kv_scale",),
+}
+
+
+@pytest.mark.parametrize("style", sorted(SCALE_NAMES))
+def test_checkpoint_kv_scales_are_used(llama, tmp_path, style):
+    """A checkpoint's KV scales (each naming in use) set the 8-bit cache's: the amplified
+    model with scales of AMPLIFY stores the very bytes the plain model does with 1.0, so
+    tokens and logprobs are equal; without them its K/V clamp and the tokens change. Query
+    and probability scales (for 8-bit attention arithmetic) load and are ignored."""
+    common = dict(kv_cache_dtype="fp8", kv_cache_memory=1 << 20, max_model_len=96)
+    expected = _scored(LLM(str(llama), **common))
+    scales = {f"model.layers.{i}.{name}": torch.tensor(AMPLIFY)
+              for i in range(2) for name in SCALE_NAMES[style]}  # fmt: skip
+    scales["model.layers.0.self_attn.q_scale"] = torch.tensor(3.0)
+    scales["model.layers.0.self_attn.prob_scale"] = torch.tensor(3.0)
+    with_scales = _amplified(llama, tmp_path / "with", scales)
+    llm = LLM(str(with_scales), **common)
+    assert llm.runner.kv_scales.tolist() == [[AMPLIFY] * 2] * 2
+    assert _scored(llm) == expected
+    # "auto" loads the same checkpoint and has no scales to use
+    assert LLM(str(with_scales), kv_cache_memory=1 << 20, max_model_len=96).runner.kv_scales is None
+    clamped = LLM(str(_amplified(llama, tmp_path / "without")), **common)
+    assert clamped.runner.kv_scales.tolist() == [[1.0] * 2] * 2
+    assert _scored(clamped)[0] != expected[0]
+
+
+def test_calculated_kv_scales(llama, tmp_path):
+    """calculate_kv_scales: the first forward pass sets each layer's scales to twice its
+    largest |K| and |V| over the format's largest value, before storing; later steps keep
+    them. On the amplified model they come out AMPLIFY times larger, so the bytes stored and
+    the outputs equal the plain model's. They override a checkpoint's scales."""
+    common = dict(kv_cache_dtype="fp8", kv_cache_memory=1 << 20, max_model_len=96,
+                  calculate_kv_scales=True)  # fmt: skip
+    llm = LLM(str(llama), **common)
+    assert llm.runner.kv_scales.tolist() == [[1.0] * 2] * 2  # nothing ran yet
+    amax = torch.zeros(2, 2)
+
+    def record(i):
+        def hook(module, args):
+            _, k, v, meta = args
+            if meta.calibrate_kv:
+                amax[0, i] = k.abs().max()
+                amax[1, i] = v.abs().max()
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(record(i))
+               for i, m in enumerate(llm.runner.attention_layers)]  # fmt: skip
+    expected = _scored(llm)
+    for h in handles:
+        h.remove()
+    scales = llm.runner.kv_scales.clone()
+    assert (amax > 0).all()
+    assert torch.allclose(scales, amax * 2 / 448, rtol=1e-6, atol=0)
+    _scored(llm)
+    assert torch.equal(llm.runner.kv_scales, scales)  # set once
+    ckpt = {f"model.layers.{i}.self_attn.kv_scale": torch.tensor(5.0) for i in range(2)}
+    amplified = LLM(str(_amplified(llama, tmp_path / "amp", ckpt)), **common)
+    assert _scored(amplified) == expected
+    assert torch.equal(amplified.runner.kv_scales, scales * AMPLIFY)
+    # no effect on a 16-bit cache
+    auto = LLM(str(llama), **{**common, "kv_cache_dtype": "auto"})
+    assert auto.runner.kv_scales is None and not auto.runner.calibrate_kv
+    assert _scored(auto)[0]
+
+
+@pytest.mark.gpu
+def test_calculated_kv_scales_one_token_prompt_cuda(llama):
+    """On CUDA a first step of one-token prompts would replay a decode graph: the
+    calibrating pass runs eagerly instead, and the outputs equal an eager engine's."""
+    common = dict(kv_cache_dtype="fp8", kv_cache_memory=1 << 22, max_model_len=96,
+                  calculate_kv_scales=True, device="cuda", dtype="float32")  # fmt: skip
+    p = SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True)
+    runs = []
+    for eager in (False, True):
+        llm = LLM(str(llama), enforce_eager=eager, **common)
+        assert (llm.runner.graphs is None) == eager
+        outs = llm.generate([[5], [9]], p, use_tqdm=False)
+        runs.append(([list(o.outputs[0].token_ids) for o in outs], llm.runner.kv_scales.cpu()))
+        del llm
+    assert (runs[0][1] != 1.0).all()
+    assert torch.equal(runs[0][1], runs[1][1])
+    assert runs[0][0] == runs[1][0]
+
+
+@pytest.mark.parametrize("value, message", [
+    (torch.ones(2), r"has shape \(2,\); nanopaged takes one scale per layer"),
+    (torch.tensor(0.0), r"must be positive and finite, got 0.0"),
+    (torch.tensor(float("nan")), r"must be positive and finite, got nan"),
+])  # fmt: skip
+def test_bad_checkpoint_kv_scale(llama, tmp_path, value, message):
+    path = _amplified(llama, tmp_path / "m", {"model.layers.1.self_attn.v_scale": value})
+    with pytest.raises(ValueError, match=r"KV cache scale 'model.layers.1.self_attn.v_scale' "
+                                         r"in .*model.safetensors " + message):  # fmt: skip
+        LLM(str(path), kv_cache_dtype="fp8", kv_cache_memory=1 << 20)
+
+
+def test_checkpoint_kv_scale_of_a_missing_layer(llama, tmp_path):
+    extra = {"model.layers.2.self_attn.k_scale": torch.tensor(1.0)}
+    path = _amplified(llama, tmp_path / "m", extra)
+    with pytest.raises(ValueError, match=r"names layer 2; the model has 2"):
+        LLM(str(path), kv_cache_dtype="fp8", kv_cache_memory=1 << 20)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_bad_calculate_kv_scales(llama, value):
+    with pytest.raises(TypeError, match=r"calculate_kv_scales must be a bool, got"):
+        LLM(str(llama), kv_cache_dtype="fp8", calculate_kv_scales=value)

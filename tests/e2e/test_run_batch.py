@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from tiny_models import add_byte_tokenizer, add_chat_template, make_tiny_model
 
 from nanopaged import LLM, SamplingParams
@@ -120,3 +121,30 @@ def test_run_batch_command_line(model_dir, tmp_path):
     assert "1 served, 0 errors" in proc.stdout
     (record,) = _read(out)
     assert record["custom_id"] == "cmpl-1" and record["response"]["status_code"] == 200
+
+
+def test_run_batch_kv_options_reach_the_engine(model_dir, tmp_path, monkeypatch):
+    """--kv-cache-dtype fp8 --calculate-kv-scales: the engine serves with an 8-bit cache whose
+    scales its first pass calculated."""
+    from nanopaged.entrypoints import cli
+    from nanopaged.entrypoints import run_batch as rb
+
+    made = []
+
+    class Recording(rb.LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(LINES[1] + "\n")
+    argv = ["run-batch", "-i", str(inp), "-o", str(out), "--model", str(model_dir),
+            "--kv-cache-memory", str(1 << 22), "--dtype", "float32", "--disable-progress-bar",
+            "--kv-cache-dtype", "fp8", "--calculate-kv-scales"]  # fmt: skip
+    monkeypatch.setattr(rb, "LLM", Recording)
+    assert cli.main(argv) == 0
+    (llm,) = made
+    assert llm.runner.kv_cache.dtype == torch.float8_e4m3fn
+    assert not llm.runner.calibrate_kv and (llm.runner.kv_scales != 1.0).all()
+    (record,) = _read(out)
+    assert record["response"]["status_code"] == 200

@@ -247,3 +247,19 @@ def test_generation_config_defaults_and_engine_args(model_dir, tmp_path):
         LLM(str(model_dir), tensor_parallel_size=3)
     with pytest.raises(ValueError, match=r"continue_final_message=True .* add_generation_prompt"):
         llm.chat([{"role": "assistant", "content": "x"}], continue_final_message=True)
+
+
+FP8_KV = """
+from vllm import LLM, SamplingParams
+
+llm = LLM(model=MODEL, kv_cache_dtype="fp8", calculate_kv_scales=True)
+outputs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+"""
+
+
+def test_fp8_kv_cache_with_calculated_scales(model_dir):
+    ns = run_vllm_script(FP8_KV, model_dir)
+    runner = ns["llm"].runner
+    assert runner.kv_cache.dtype == torch.float8_e4m3fn
+    assert (runner.kv_scales != 1.0).all()  # calculated from the first pass
+    assert len(ns["outputs"][0].outputs[0].token_ids) == 8
