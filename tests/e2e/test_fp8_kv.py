@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_tiny_model
+from tiny_models import AMPLIFY, amplified_kv, make_tiny_model
 
 from nanopaged import LLM, BeamSearchParams, SamplingParams
 from nanopaged.config import resolve_kv_cache_dtype
@@ -167,28 +167,6 @@ def test_fp8_e4m3_accuracy_on_smollm2(tmp_path, monkeypatch):
 
 # KV cache scales: from the checkpoint, or calculated from the first forward pass.
 
-AMPLIFY = 1024.0  # a power of two: scaling by it is exact in fp32
-
-
-def _amplified(src: Path, dst: Path, extra: dict | None = None) -> Path:
-    """The same function as src's model with K and V AMPLIFY times larger (q_proj and o_proj
-    divided by it), so K/V run far past e4m3's 448; extra: tensors to add to the checkpoint."""
-    from safetensors.torch import load_file, save_file
-
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.suffix != ".safetensors":
-            (dst / f.name).write_bytes(f.read_bytes())
-    weights = load_file(src / "model.safetensors")
-    for name in weights:
-        if ".k_proj." in name or ".v_proj." in name:
-            weights[name] = weights[name] * AMPLIFY
-        elif ".q_proj." in name or ".o_proj." in name:
-            weights[name] = weights[name] / AMPLIFY
-    save_file({**weights, **(extra or {})}, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
-
-
 def _scored(llm) -> tuple[list[list[int]], list[float]]:
     p = SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True)
     outs = [o.outputs[0] for o in llm.generate(_prompts([7, 33], seed=5), p, use_tqdm=False)]
@@ -214,13 +192,13 @@ def test_checkpoint_kv_scales_are_used(llama, tmp_path, style):
               for i in range(2) for name in SCALE_NAMES[style]}  # fmt: skip
     scales["model.layers.0.self_attn.q_scale"] = torch.tensor(3.0)
     scales["model.layers.0.self_attn.prob_scale"] = torch.tensor(3.0)
-    with_scales = _amplified(llama, tmp_path / "with", scales)
+    with_scales = amplified_kv(llama, tmp_path / "with", scales)
     llm = LLM(str(with_scales), **common)
     assert llm.runner.kv_scales.tolist() == [[AMPLIFY] * 2] * 2
     assert _scored(llm) == expected
     # "auto" loads the same checkpoint and has no scales to use
     assert LLM(str(with_scales), kv_cache_memory=1 << 20, max_model_len=96).runner.kv_scales is None
-    clamped = LLM(str(_amplified(llama, tmp_path / "without")), **common)
+    clamped = LLM(str(amplified_kv(llama, tmp_path / "without")), **common)
     assert clamped.runner.kv_scales.tolist() == [[1.0] * 2] * 2
     assert _scored(clamped)[0] != expected[0]
 
@@ -256,7 +234,7 @@ def test_calculated_kv_scales(llama, tmp_path):
     _scored(llm)
     assert torch.equal(llm.runner.kv_scales, scales)  # set once
     ckpt = {f"model.layers.{i}.self_attn.kv_scale": torch.tensor(5.0) for i in range(2)}
-    amplified = LLM(str(_amplified(llama, tmp_path / "amp", ckpt)), **common)
+    amplified = LLM(str(amplified_kv(llama, tmp_path / "amp", ckpt)), **common)
     assert _scored(amplified) == expected
     assert torch.equal(amplified.runner.kv_scales, scales * AMPLIFY)
     # no effect on a 16-bit cache
@@ -290,7 +268,7 @@ def test_calculated_kv_scales_one_token_prompt_cuda(llama):
     (torch.tensor(float("nan")), r"must be positive and finite, got nan"),
 ])  # fmt: skip
 def test_bad_checkpoint_kv_scale(llama, tmp_path, value, message):
-    path = _amplified(llama, tmp_path / "m", {"model.layers.1.self_attn.v_scale": value})
+    path = amplified_kv(llama, tmp_path / "m", {"model.layers.1.self_attn.v_scale": value})
     with pytest.raises(ValueError, match=r"KV cache scale 'model.layers.1.self_attn.v_scale' "
                                          r"in .*model.safetensors " + message):  # fmt: skip
         LLM(str(path), kv_cache_dtype="fp8", kv_cache_memory=1 << 20)
@@ -298,7 +276,7 @@ def test_bad_checkpoint_kv_scale(llama, tmp_path, value, message):
 
 def test_checkpoint_kv_scale_of_a_missing_layer(llama, tmp_path):
     extra = {"model.layers.2.self_attn.k_scale": torch.tensor(1.0)}
-    path = _amplified(llama, tmp_path / "m", extra)
+    path = amplified_kv(llama, tmp_path / "m", extra)
     with pytest.raises(ValueError, match=r"names layer 2; the model has 2"):
         LLM(str(path), kv_cache_dtype="fp8", kv_cache_memory=1 << 20)
 

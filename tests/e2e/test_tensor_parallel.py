@@ -11,7 +11,7 @@ import weakref
 
 import pytest
 import torch
-from tiny_models import hf_greedy, make_tiny_model
+from tiny_models import AMPLIFY, amplified_kv, hf_greedy, make_tiny_model
 
 from nanopaged import LLM, SamplingParams
 from nanopaged.distributed.parallel import PEER_ALL_REDUCE_ENV
@@ -328,4 +328,30 @@ def test_gpu_worker_error_reaches_caller(tmp_path, monkeypatch, enforce_eager, p
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     assert time.monotonic() - t0 < 30
     llm.shutdown()
+    assert _wait_no_workers() == []
+
+
+def test_tp_kv_scales_per_rank(llama_dir, tmp_path):
+    """Under tensor parallelism every rank takes the checkpoint's KV scales, and with
+    calculate_kv_scales each rank calculates its own from its heads' first pass: on the model
+    whose K/V are AMPLIFY times larger both give the plain model's tokens (a rank left at 1.0
+    would clamp them)."""
+    prompts = _prompts(512)
+    kw = dict(kv_cache_dtype="fp8", max_model_len=128, kv_cache_memory=1 << 22,
+              tensor_parallel_size=2)  # fmt: skip
+    scales = {f"model.layers.{i}.self_attn.kv_scale": torch.tensor(AMPLIFY) for i in range(2)}
+    runs = {}
+    for name, path, calculate in (
+        ("plain", llama_dir, False),
+        ("checkpoint", amplified_kv(llama_dir, tmp_path / "ckpt", scales), False),
+        ("plain calculated", llama_dir, True),
+        ("calculated", amplified_kv(llama_dir, tmp_path / "calc"), True),
+    ):
+        with LLM(str(path), calculate_kv_scales=calculate, **kw) as llm:
+            outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+            runs[name] = [o.outputs[0].token_ids for o in outs]
+            if name == "checkpoint":
+                assert (llm.runner.kv_scales == AMPLIFY).all()
+    assert runs["checkpoint"] == runs["plain"]
+    assert runs["calculated"] == runs["plain calculated"]
     assert _wait_no_workers() == []
