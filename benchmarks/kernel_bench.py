@@ -226,12 +226,14 @@ def sweep(json_path: str | None) -> None:
             print(f"    {t:7.1f} {kv_bytes / t / 1e6:5.2f} {c}")
         del k_cache, v_cache, k
     # The 8-bit cache (e4m3, V channel-major) with a bf16 q: the transposed path's choices,
-    # (BLOCK_N, warps, stages, group_pad) at the split count the launcher picks.
+    # (BLOCK_N, warps, stages, group_pad, offsets32) at the split count the launcher picks.
     from nanopaged.kernels.paged_decode import choose_num_splits, num_sms
     from nanopaged.kernels.store_kv import channel_major
 
-    fp8_cfgs = [(64, 2, 3, 16), (64, 2, 3, 8), (32, 1, 3, 8), (64, 2, 2, 8), (64, 2, 4, 8),
-                (128, 2, 3, 8), (64, 1, 3, 8), (32, 2, 3, 8)]
+    fp8_cfgs = [(64, 2, 3, 16, False), (64, 2, 3, 8, False), (64, 2, 3, 8, True),
+                (32, 1, 3, 8, True), (64, 2, 2, 8, True), (64, 2, 4, 8, True),
+                (128, 2, 3, 8, True), (64, 1, 3, 8, True), (32, 2, 3, 8, True),
+                (32, 2, 4, 8, True)]
     one = torch.ones(1, device="cuda")
     for batch, length in [(256, 1024), (64, 4096), (8, 8192)]:
         q = torch.randn(batch, 16, HEAD_DIM, device="cuda", dtype=dtype)
@@ -243,17 +245,17 @@ def sweep(json_path: str | None) -> None:
         context_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
         args = (q, k8, v8, block_tables, context_lens, HEAD_DIM**-0.5)
         timed = []
-        for block_n, warps, stages, group_pad in fp8_cfgs:
+        for block_n, warps, stages, group_pad, offsets32 in fp8_cfgs:
             splits = choose_num_splits(batch, 8, length, block_n, num_sms(q.device))
-            c = (splits, block_n, warps, stages, group_pad)
+            c = (splits, block_n, warps, stages, group_pad, offsets32)
             ms = bench_ms(lambda a=args, c=c: paged_decode_launch(
-                *a, *c[:4], k_scale=one, v_scale=one, group_pad=c[4]), 50)
+                *a, *c[:4], k_scale=one, v_scale=one, group_pad=c[4], offsets32=c[5]), 50)
             timed.append((ms * 1e3, c))
         timed.sort()
         kv_bytes = k.numel() * 2  # one byte a value, K and V
         results.append(dict(kernel="decode fp8", case=f"B={batch} L={length}", timed=timed))
         print(f"decode fp8 B={batch} L={length} (us, TB/s of 8-bit KV, "
-              f"(splits, BLOCK_N, warps, stages, group_pad))")  # fmt: skip
+              f"(splits, BLOCK_N, warps, stages, group_pad, offsets32))")  # fmt: skip
         for t, c in timed:
             print(f"    {t:7.1f} {kv_bytes / t / 1e6:5.2f} {c}")
         del k_cache, v_cache, k8, v8, k

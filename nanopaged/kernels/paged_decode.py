@@ -214,11 +214,16 @@ if triton is not None:
     def _swapped_tile(qT, m_i, l_i, accT, k_cache_ptr, v_cache_ptr, blocks, tokens, end, dims,
                       k_head_off, v_head_off, stride_cb, stride_ct, stride_vb, stride_vt,
                       stride_vd, qk_scale, BLOCK_SIZE: tl.constexpr,
-                      V_CHANNEL_MAJOR: tl.constexpr, MASKED: tl.constexpr):
+                      V_CHANNEL_MAJOR: tl.constexpr, OFFS32: tl.constexpr,
+                      MASKED: tl.constexpr):
         # One online-softmax step of _swapped_tiles over BLOCK_N tokens. MASKED: the last,
         # partial tile: keys past `end` get no weight, and their V slots (stale, or block 0's
         # for positions past the table) are zeroed so that not even a NaN there reaches accT.
-        b64 = blocks.to(tl.int64)
+        # OFFS32: every offset into the caches fits in int32 (32-bit address arithmetic).
+        if OFFS32:
+            b64 = blocks
+        else:
+            b64 = blocks.to(tl.int64)
         tok_in_block = tokens % BLOCK_SIZE
         k_offs = b64 * stride_cb + tok_in_block * stride_ct + k_head_off
         v_offs = b64 * stride_vb + tok_in_block * stride_vt + v_head_off
@@ -254,7 +259,8 @@ if triton is not None:
                        row_mask, dims, n_offs, k_head_off, v_head_off, stride_cb, stride_ct,
                        stride_vb, stride_vt, stride_vd, qk_scale, GROUP_PAD: tl.constexpr,
                        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                       NUM_STAGES: tl.constexpr, V_CHANNEL_MAJOR: tl.constexpr):
+                       NUM_STAGES: tl.constexpr, V_CHANNEL_MAJOR: tl.constexpr,
+                       OFFS32: tl.constexpr):
         # The 8-bit cache's tiles, with the dots transposed: sT = K q^T and accT = V^T p^T, so
         # the cache's tiles are the dots' first operands, read straight from shared memory
         # into registers and converted there (e4m3/e5m2 -> fp16, one instruction per two
@@ -284,13 +290,13 @@ if triton is not None:
                                            tokens, end, dims, k_head_off, v_head_off,
                                            stride_cb, stride_ct, stride_vb, stride_vt,
                                            stride_vd, qk_scale, BLOCK_SIZE, V_CHANNEL_MAJOR,
-                                           False)
+                                           OFFS32, False)
         if full_end < end:
             m_i, l_i, accT = _swapped_tile(qT, m_i, l_i, accT, k_cache_ptr, v_cache_ptr, blocks,
                                            full_end + n_offs, end, dims, k_head_off,
                                            v_head_off, stride_cb, stride_ct, stride_vb,
                                            stride_vt, stride_vd, qk_scale, BLOCK_SIZE,
-                                           V_CHANNEL_MAJOR, True)
+                                           V_CHANNEL_MAJOR, OFFS32, True)
         return m_i, l_i, tl.trans(accT)
 
     # Step-varying table pointers and ints are not specialized (16-byte alignment, multiples
@@ -307,6 +313,7 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
         NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, DOT_PRECISION: tl.constexpr,
         IS_FP8: tl.constexpr, SWAP_AB: tl.constexpr, V_CHANNEL_MAJOR: tl.constexpr,
+        OFFS32: tl.constexpr,
         HAS_ORDER: tl.constexpr,
     ):
         # One program: all GROUP query heads of one KV head of one sequence, over one KV split,
@@ -350,7 +357,7 @@ if triton is not None:
                 q_ptr + seq64 * stride_qb, stride_qh, k_cache_ptr, v_cache_ptr, table, start,
                 end, heads, row_mask, dims, n_offs, kv_head * stride_ch, kv_head * stride_vh,
                 stride_cb, stride_ct, stride_vb, stride_vt, stride_vd, qk_scale, GROUP_PAD,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_STAGES, V_CHANNEL_MAJOR)
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, NUM_STAGES, V_CHANNEL_MAJOR, OFFS32)
         else:
             # q: [GROUP_PAD, HEAD_DIM]
             q = tl.load(
@@ -458,6 +465,11 @@ def decode_config(
     return block_n, 4, 2
 
 
+def fits_int32_offsets(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether every element offset into both caches (views of one layer) fits in int32."""
+    return all(x.numel() <= 2**31 - 1 for x in (k_cache, v_cache))
+
+
 def decode_group_pad(group: int) -> int:
     """The dot side a KV head's query group is padded to by default: at least 16 (the rows of
     q K^T; the columns of K q^T on the transposed 8-bit path, where paged_decode_launch also
@@ -513,9 +525,14 @@ def paged_decode_launch(
     out: torch.Tensor | None = None,
     order: torch.Tensor | None = None,
     group_pad: int | None = None,
+    offsets32: bool = False,
 ) -> torch.Tensor:
     """paged_decode with every launch choice explicit (tests and the benchmark sweep use it).
-    group_pad: the dot side the query group is padded to (default decode_group_pad's)."""
+    group_pad: the dot side the query group is padded to (default decode_group_pad's).
+    offsets32: the transposed 8-bit path computes its cache addresses in 32 bits (ValueError
+    unless every offset into k_cache and v_cache fits: fits_int32_offsets). Compiled offline
+    for sm_90 (Triton 3.6) with group_pad 8, its loop issues 441 instructions a 64-token tile
+    with 159 registers, against 521 and 168 in 64 bits; not yet timed on a GPU."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -540,6 +557,9 @@ def paged_decode_launch(
     swap_ab = fp8 and q.dtype != torch.float32
     if group_pad is None:
         group_pad = decode_group_pad(group)
+    if offsets32 and not fits_int32_offsets(k_cache, v_cache):
+        raise ValueError("offsets32 needs caches whose every offset fits in int32, got "
+                         f"{k_cache.numel()} elements")
     if group_pad < max(8 if swap_ab else 16, group) or group_pad & (group_pad - 1):
         raise ValueError(f"group_pad must be a power of two >= the query group ({group}) and "
                          f">= {8 if swap_ab else 16}, got {group_pad}")
@@ -552,7 +572,7 @@ def paged_decode_launch(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, NUM_STAGES=num_stages,
         PREFETCH=prefetch, DOT_PRECISION=dot_precision(q.dtype), IS_FP8=fp8,
-        SWAP_AB=swap_ab, V_CHANNEL_MAJOR=v_cache.stride(1) == 1,
+        SWAP_AB=swap_ab, V_CHANNEL_MAJOR=v_cache.stride(1) == 1, OFFS32=offsets32,
         HAS_ORDER=order is not None, num_warps=num_warps, num_stages=num_stages,
     )
     if split:

@@ -13,6 +13,7 @@ from test_store_kv import packed_qkv
 from nanopaged.kernels.copy_blocks import copy_blocks, copy_blocks_ref
 from nanopaged.kernels.paged_decode import (
     dequantize,
+    fits_int32_offsets,
     paged_decode,
     paged_decode_launch,
     paged_decode_ref,
@@ -175,16 +176,17 @@ def test_decode_fp8(fp8, block_size, group, head_dim, dtype, num_kv_heads, chann
 
 @pytest.mark.parametrize("fp8", [E4M3, E5M2])
 @pytest.mark.parametrize("block_n,num_splits", [(16, 1), (16, 3), (32, 7)])
-@pytest.mark.parametrize("group,group_pad", [(2, None), (2, 8), (8, 8)])
-def test_decode_fp8_tiles_and_splits(fp8, block_n, num_splits, group, group_pad):
+@pytest.mark.parametrize("group,group_pad,offsets32",
+                         [(2, None, False), (2, 8, False), (2, 8, True), (8, 8, True)])
+def test_decode_fp8_tiles_and_splits(fp8, block_n, num_splits, group, group_pad, offsets32):
     # The transposed (16-bit q) path with tiles smaller than a block and split contexts: whole
     # tiles, partial last tiles and splits past a context's end; the query group padded to
-    # the default 16 columns or to 8.
+    # the default 16 columns or to 8; addresses in 64 or 32 bits.
     lens = [1, 15, 16, 17, 53, 64, 100]
     inputs = fp8_decode_inputs(fp8, lens, 8, group, 64, f16, 2)
     k_scale, v_scale = scales(0.04, 0.025)
     out = paged_decode_launch(*inputs, 0.1, num_splits, block_n, 2, 2, k_scale=k_scale,
-                              v_scale=v_scale, group_pad=group_pad)
+                              v_scale=v_scale, group_pad=group_pad, offsets32=offsets32)
     ref = paged_decode_ref(*inputs, 0.1, k_scale=k_scale, v_scale=v_scale)
     assert_close(out, ref, f16)
 
@@ -249,10 +251,10 @@ def test_decode_fp8_launch_configs_gpu(block_n, num_warps, block_size):
     ref = paged_decode_ref(*inputs, 0.1, k_scale=k_scale, v_scale=v_scale)
     for num_stages in (2, 3, 4):
         for num_splits in (1, 3):
-            for group_pad in (8, 16):
+            for group_pad, offsets32 in ((16, False), (8, False), (8, True)):
                 out = paged_decode_launch(*inputs, 0.1, num_splits, block_n, num_warps,
                                           num_stages, k_scale=k_scale, v_scale=v_scale,
-                                          group_pad=group_pad)  # fmt: skip
+                                          group_pad=group_pad, offsets32=offsets32)
                 assert_close(out, ref, bf16)
 
 
@@ -265,6 +267,21 @@ def test_decode_refuses_bad_group_pad(dtype, group_pad):
     with pytest.raises(ValueError, match=rf"group_pad must be a power of two .* got {group_pad}"):
         paged_decode_launch(*inputs, 0.1, 1, 16, 2, 2, k_scale=k_scale, v_scale=v_scale,
                             group_pad=group_pad)
+
+
+def test_decode_refuses_offsets32_past_int32():
+    # A cache of more than 2^31 - 1 elements (meta tensors: shapes without memory).
+    meta = dict(device="meta")
+    q = torch.empty(1, 2, 64, dtype=f16, **meta)
+    big = torch.empty(2**21 + 1, 16, 1, 64, dtype=E4M3, **meta)
+    small = torch.empty(2**21 - 1, 16, 1, 64, dtype=E4M3, **meta)
+    assert not fits_int32_offsets(big, big) and fits_int32_offsets(small, small)
+    tables = torch.empty(1, 4, dtype=torch.int32, **meta)
+    lens = torch.empty(1, dtype=torch.int32, **meta)
+    one = torch.empty(1, **meta)
+    with pytest.raises(ValueError, match=r"offsets32 needs caches whose every offset fits"):
+        paged_decode_launch(q, big, big, tables, lens, 0.1, 1, 64, 2, 3, k_scale=one,
+                            v_scale=one, offsets32=True)
 
 
 def test_decode_fp8_refuses_four_warps():
