@@ -82,7 +82,7 @@ def calculate_scales(llm: LLM, sequences: list[list[int]]) -> None:
     the first sequence less its last token (prompt logprobs' own pass does not calculate)."""
     first = sequences[0][:-1]
     llm.generate([first], SamplingParams(max_tokens=1), use_tqdm=False)
-    assert not llm.runner.calibrate_kv
+    assert llm.runner.first_kv_pass is None
 
 
 def free_memory() -> None:

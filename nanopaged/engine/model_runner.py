@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import warnings
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -208,17 +209,22 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # kv_scales: [2, num_layers] fp32, K and V scale of each layer (an fp8 cache holds
         # x / scale). 1.0 unless the checkpoint has its own (model.checkpoint_kv_scales) or
-        # calculate_kv_scales asks for them from the first forward pass (then
-        # self.calibrate_kv until it ran, see execute). Measured on SmolLM2, scales
-        # calibrated from activations agreed no better with full precision than 1.0
+        # calculate_kv_scales asks for them from the first forward pass. Measured on SmolLM2,
+        # scales calibrated from activations agreed no better with full precision than 1.0
         # (benchmarks/fp8_accuracy.py); they matter for K/V beyond the format's range. The
         # kernels read them from the device, so CUDA graphs follow any later change. Under
         # tensor parallelism each rank holds its own (calculated: from its own heads).
+        # first_kv_pass: what the first forward pass over an 8-bit cache does before storing
+        # (see execute): "calculate" the scales, or "check" that K/V fit under the scales
+        # (kv_peaks: [2, num_layers], largest |K| / k_scale and |V| / v_scale), warning once
+        # when they pass the format's largest value; None once it ran.
         self.kv_scales: torch.Tensor | None = None
-        self.calibrate_kv = False
+        self.kv_peaks: torch.Tensor | None = None
+        self.first_kv_pass: str | None = None
         if is_fp8(self.kv_cache_dtype):
             layers = len(self.attention_layers)
             self.kv_scales = torch.ones(2, layers, dtype=torch.float32, device=device)
+            self.kv_peaks = torch.zeros(2, layers, dtype=torch.float32, device=device)
             if not engine_config.calculate_kv_scales:
                 for i, parts in getattr(self.model, "checkpoint_kv_scales", {}).items():
                     for row, part in enumerate("kv"):
@@ -227,6 +233,7 @@ class ModelRunner:
             for i, layer in enumerate(self.attention_layers):
                 layer.k_scale = self.kv_scales[0, i : i + 1]
                 layer.v_scale = self.kv_scales[1, i : i + 1]
+                layer.kv_peak = self.kv_peaks[:, i]
         if profile:
             self.num_blocks = self._blocks_for_budget(self._profile_cuda_budget())
         # Every rank must hold the same block ids: the smallest count any rank can fit.
@@ -267,8 +274,9 @@ class ModelRunner:
             # The copy-on-write kernel too (the first fork of n > 1 or a beam would compile it
             # mid-run): block 0 onto block 1, before any block holds a token.
             copy_block_pairs(self.kv_cache, [(0, 1)])
-        # Set last: nothing above (profiling, graph capture, warm-ups) calibrates.
-        self.calibrate_kv = self.kv_scales is not None and engine_config.calculate_kv_scales
+        # Set last: nothing above (profiling, graph capture, warm-ups) is the first pass.
+        if self.kv_scales is not None:
+            self.first_kv_pass = "calculate" if engine_config.calculate_kv_scales else "check"
         if workers is not None:
             # Weakly: a strong reference back to the runner would make the pair a cycle, which
             # only the garbage collector frees (and the LLM freezes start-up's objects out of
@@ -523,7 +531,7 @@ class ModelRunner:
         batch_size = len(step.context_lens)
         return (
             self.graphs is not None
-            and not self.calibrate_kv  # the calibrating pass runs eagerly
+            and self.first_kv_pass is None  # the first pass over an 8-bit cache is eager
             and len(step.input_ids) == batch_size
             and self.graphs.can_run(batch_size)
         )
@@ -674,8 +682,8 @@ class ModelRunner:
                 dict(positions=step.positions, slots=step.slots, tables=step.tables,
                      context_lens=step.context_lens, cu_seqlens_q=step.cu_seqlens_q)
             )  # fmt: skip
-            # calculate_kv_scales: this first forward pass sets them before it stores K/V.
-            meta.calibrate_kv, self.calibrate_kv = self.calibrate_kv, False
+            # An 8-bit cache's first forward pass sets or checks the scales before it stores.
+            meta.first_kv_pass, self.first_kv_pass = self.first_kv_pass, None
             if pending is not None and pending[0] is None:
                 ids = pending[1]  # every input id is a pending sample, in its row
             else:
@@ -683,6 +691,8 @@ class ModelRunner:
                 if pending is not None:
                     ids.index_copy_(0, *pending)
             hidden = self.model(ids, positions, meta)
+            if meta.first_kv_pass == "check":
+                self._warn_past_kv_range()
         if not len(step.logits_indices):
             return None
         if not _is_arange(step.logits_indices, len(hidden)):  # else every row samples, in order
@@ -694,6 +704,23 @@ class ModelRunner:
             local, vocab_start = self.model.compute_local_logits(hidden)
             return sample_shards(local, vocab_start, step.sample_settings, self.tp)
         return self.model.compute_logits(hidden)
+
+    def _warn_past_kv_range(self) -> None:
+        """After the first forward pass over an 8-bit cache with fixed scales: warn, once,
+        when some layer's K or V passed the format's largest value (store_kv clamps them).
+        Reads kv_peaks back: one host sync, on this step only."""
+        fmax = torch.finfo(self.kv_cache_dtype).max
+        peaks = self.kv_peaks.cpu()
+        past = [f"layer {i} {'KV'[row]} {peaks[row, i].item():.4g}"
+                for i, row in sorted((i, row) for row, i in (peaks > fmax).nonzero().tolist())]
+        if past:
+            name = str(self.kv_cache_dtype).removeprefix("torch.")
+            warnings.warn(
+                f"the first forward pass stored K/V past {name}'s largest value ({fmax:g}) at "
+                f"their scales ({', '.join(past[:4])}{', ...' if len(past) > 4 else ''}): they "
+                "are clamped. Use calculate_kv_scales=True, or a checkpoint with KV scales.",
+                stacklevel=2,
+            )
 
     @staticmethod
     def _pending_inputs(

@@ -38,9 +38,11 @@ class AttentionMetadata:
     decode_plan: paged_decode.DecodePlan | None = None
     # CPU: whether some slot is -1 (a token not to store), found by the first layer.
     skips_slots: bool | None = None
-    # An 8-bit cache's first forward pass under calculate_kv_scales: each layer sets its
-    # K and V scales from this step's K/V (store_kv.calibrated_scale) before storing them.
-    calibrate_kv: bool = False
+    # An 8-bit cache's first forward pass (ModelRunner.first_kv_pass), before storing:
+    # "calculate": each layer sets its K and V scales from this step's K/V
+    # (store_kv.calibrated_scale); "check": it records their largest |K| / k_scale and
+    # |V| / v_scale in kv_peak.
+    first_kv_pass: str | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -65,6 +67,7 @@ class Attention(UsesBackend, nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
+        self.kv_peak: torch.Tensor | None = None  # [2], see AttentionMetadata.first_kv_pass
 
     def rotary_store(self, v: torch.Tensor, meta: AttentionMetadata) -> KVStore | None:
         """What the rotary kernel needs to store this step's K/V itself (one kernel fewer per
@@ -85,10 +88,14 @@ class Attention(UsesBackend, nn.Module):
         # stored: the rotary kernel already wrote k and v into the cache (rotary_store).
         assert self.k_cache is not None, "KV cache not bound"
         k_cache, v_cache = self.k_cache, self.v_cache
-        if meta.calibrate_kv and self.k_scale is not None:
-            assert not stored, "an 8-bit cache is stored here, after its scales are set"
-            self.k_scale.copy_(store_kv.calibrated_scale(k, k_cache.dtype))
-            self.v_scale.copy_(store_kv.calibrated_scale(v, v_cache.dtype))
+        if meta.first_kv_pass is not None and self.k_scale is not None:
+            assert not stored, "an 8-bit cache is stored here, after this pass"
+            if meta.first_kv_pass == "calculate":
+                self.k_scale.copy_(store_kv.calibrated_scale(k, k_cache.dtype))
+                self.v_scale.copy_(store_kv.calibrated_scale(v, v_cache.dtype))
+            else:
+                self.kv_peak[0] = k.abs().amax().float() / self.k_scale[0]
+                self.kv_peak[1] = v.abs().amax().float() / self.v_scale[0]
         scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         if self.backend.triton:
             if not stored and store_kv.is_fp8(k_cache.dtype) and not meta.is_decode:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import random
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -195,12 +196,21 @@ def test_checkpoint_kv_scales_are_used(llama, tmp_path, style):
     with_scales = amplified_kv(llama, tmp_path / "with", scales)
     llm = LLM(str(with_scales), **common)
     assert llm.runner.kv_scales.tolist() == [[AMPLIFY] * 2] * 2
-    assert _scored(llm) == expected
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # K/V fit under these scales: no warning
+        assert _scored(llm) == expected
     # "auto" loads the same checkpoint and has no scales to use
     assert LLM(str(with_scales), kv_cache_memory=1 << 20, max_model_len=96).runner.kv_scales is None
     clamped = LLM(str(amplified_kv(llama, tmp_path / "without")), **common)
     assert clamped.runner.kv_scales.tolist() == [[1.0] * 2] * 2
-    assert _scored(clamped)[0] != expected[0]
+    # The first pass finds K and V past 448 in both layers and says so, once.
+    with pytest.warns(UserWarning, match=r"past float8_e4m3fn's largest value \(448\) at their "
+                                         r"scales \(layer 0 K [0-9.e+]+, layer 0 V .*clamped\. "
+                                         r"Use calculate_kv_scales=True") as caught:  # fmt: skip
+        assert _scored(clamped)[0] != expected[0]
+    assert len([w for w in caught if "largest value" in str(w.message)]) == 1
+    peaks = clamped.runner.kv_peaks
+    assert (peaks > 448).all() and (peaks < 448 * AMPLIFY).all()
 
 
 def test_calculated_kv_scales(llama, tmp_path):
@@ -217,7 +227,7 @@ def test_calculated_kv_scales(llama, tmp_path):
     def record(i):
         def hook(module, args):
             _, k, v, meta = args
-            if meta.calibrate_kv:
+            if meta.first_kv_pass == "calculate":
                 amax[0, i] = k.abs().max()
                 amax[1, i] = v.abs().max()
 
@@ -239,7 +249,7 @@ def test_calculated_kv_scales(llama, tmp_path):
     assert torch.equal(amplified.runner.kv_scales, scales * AMPLIFY)
     # no effect on a 16-bit cache
     auto = LLM(str(llama), **{**common, "kv_cache_dtype": "auto"})
-    assert auto.runner.kv_scales is None and not auto.runner.calibrate_kv
+    assert auto.runner.kv_scales is None and auto.runner.first_kv_pass is None
     assert _scored(auto)[0]
 
 

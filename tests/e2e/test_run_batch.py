@@ -145,6 +145,6 @@ def test_run_batch_kv_options_reach_the_engine(model_dir, tmp_path, monkeypatch)
     assert cli.main(argv) == 0
     (llm,) = made
     assert llm.runner.kv_cache.dtype == torch.float8_e4m3fn
-    assert not llm.runner.calibrate_kv and (llm.runner.kv_scales != 1.0).all()
+    assert llm.runner.first_kv_pass is None and (llm.runner.kv_scales != 1.0).all()
     (record,) = _read(out)
     assert record["response"]["status_code"] == 200
