@@ -209,3 +209,23 @@ def test_early_stop_mask_bans_each_rows_stops_until_min_tokens():
                 assert logits[row, tok] == float("-inf"), (row, tok)
             else:
                 assert logits[row, tok] == before[row, tok], (row, tok)
+
+
+@pytest.mark.parametrize("calculate", [True, False])
+def test_first_pass_over_an_8bit_cache_is_eager(tmp_path, calculate):
+    """An 8-bit cache's first forward pass sets (calculate_kv_scales) or checks its scales in
+    attention, which a graph replay would skip: until it ran, no step replays a decode graph,
+    a decode-shaped first step (one-token prompts) included."""
+    model = make_tiny_model(tmp_path, "llama")
+    llm = LLM(str(model), dtype="float32", device="cpu", kv_cache_memory=1 << 22,
+              kv_cache_dtype="fp8", calculate_kv_scales=calculate)  # fmt: skip
+    runner = llm.runner
+    runner.graphs = SimpleNamespace(can_sample=True, can_run=lambda bs: bs <= SLOTS)
+    assert runner.first_kv_pass == ("calculate" if calculate else "check")
+    assert not runner._graph_decode(_decode_step(2))
+    runner.graphs = None  # the step itself runs on CPU, eagerly
+    llm.generate([[5], [9]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert runner.first_kv_pass is None
+    runner.graphs = SimpleNamespace(can_sample=True, can_run=lambda bs: bs <= SLOTS)
+    assert runner._graph_decode(_decode_step(2))
+    runner.graphs = None
