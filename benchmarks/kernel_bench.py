@@ -190,11 +190,21 @@ def prefill_rows() -> list[dict]:
     return rows
 
 
-def sweep(json_path: str | None) -> None:
+def sweep(json_path: str | None, only: str | None = None) -> None:
     """Time launch-config variants (bf16; decode also over an e4m3 cache) to pick the
-    launchers' defaults."""
+    launchers' defaults; only: "decode" or "prefill"."""
+    results = []
+    if only != "prefill":
+        results += sweep_decode() + sweep_decode_fp8()
+    if only != "decode":
+        results += sweep_prefill()
+    if json_path:
+        with open(json_path.replace(".json", "_sweep.json"), "w") as f:
+            json.dump(results, f)
+
+
+def sweep_decode() -> list[dict]:
     from nanopaged.kernels.paged_decode import paged_decode_launch
-    from nanopaged.kernels.paged_prefill import paged_prefill_launch
 
     results = []
     dtype = torch.bfloat16
@@ -225,11 +235,17 @@ def sweep(json_path: str | None) -> None:
         for t, c in timed[:8]:
             print(f"    {t:7.1f} {kv_bytes / t / 1e6:5.2f} {c}")
         del k_cache, v_cache, k
-    # The 8-bit cache (e4m3, V channel-major) with a bf16 q: the transposed path's choices,
-    # (BLOCK_N, warps, stages, group_pad, offsets32) at the split count the launcher picks.
-    from nanopaged.kernels.paged_decode import choose_num_splits, num_sms
+    return results
+
+
+def sweep_decode_fp8() -> list[dict]:
+    """The 8-bit cache (e4m3, V channel-major) with a bf16 q: the transposed path's choices,
+    (BLOCK_N, warps, stages, group_pad, offsets32) at the split count the launcher picks."""
+    from nanopaged.kernels.paged_decode import choose_num_splits, num_sms, paged_decode_launch
     from nanopaged.kernels.store_kv import channel_major
 
+    results = []
+    dtype = torch.bfloat16
     fp8_cfgs = [(64, 2, 3, 16, False), (64, 2, 3, 8, False), (64, 2, 3, 8, True),
                 (32, 1, 3, 8, True), (64, 2, 2, 8, True), (64, 2, 4, 8, True),
                 (128, 2, 3, 8, True), (64, 1, 3, 8, True), (32, 2, 3, 8, True),
@@ -259,6 +275,14 @@ def sweep(json_path: str | None) -> None:
         for t, c in timed:
             print(f"    {t:7.1f} {kv_bytes / t / 1e6:5.2f} {c}")
         del k_cache, v_cache, k8, v8, k
+    return results
+
+
+def sweep_prefill() -> list[dict]:
+    from nanopaged.kernels.paged_prefill import paged_prefill_launch
+
+    results = []
+    dtype = torch.bfloat16
     prefill_cfgs = [(64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4),
                     (64, 32, 4, 2), (64, 32, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3),
                     (128, 32, 4, 2)]
@@ -290,9 +314,7 @@ def sweep(json_path: str | None) -> None:
             for t, c in timed[:8]:
                 print(f"    {t:5.0f} {c}")
             del k_cache, v_cache, k
-    if json_path:
-        with open(json_path.replace(".json", "_sweep.json"), "w") as f:
-            json.dump(results, f)
+    return results
 
 
 def markdown(rows: list[dict], device: str, copy_tbs: float) -> str:
@@ -330,7 +352,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows += prefill_rows()
     print(markdown(rows, device, copy_tbs))
     if args.sweep:
-        sweep(args.json)
+        sweep(args.json, args.only)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=device, copy_tbs=copy_tbs, rows=rows), f, indent=1)
