@@ -682,8 +682,9 @@ class ModelRunner:
                 dict(positions=step.positions, slots=step.slots, tables=step.tables,
                      context_lens=step.context_lens, cu_seqlens_q=step.cu_seqlens_q)
             )  # fmt: skip
-            # An 8-bit cache's first forward pass sets or checks the scales before it stores.
-            meta.first_kv_pass, self.first_kv_pass = self.first_kv_pass, None
+            # An 8-bit cache's first forward pass sets or checks the scales before it stores
+            # (a pass that raised, e.g. interrupted, is the first pass again next step).
+            meta.first_kv_pass = self.first_kv_pass
             if pending is not None and pending[0] is None:
                 ids = pending[1]  # every input id is a pending sample, in its row
             else:
@@ -691,6 +692,7 @@ class ModelRunner:
                 if pending is not None:
                     ids.index_copy_(0, *pending)
             hidden = self.model(ids, positions, meta)
+            self.first_kv_pass = None
             if meta.first_kv_pass == "check":
                 self._warn_past_kv_range()
         if not len(step.logits_indices):

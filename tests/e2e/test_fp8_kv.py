@@ -295,3 +295,29 @@ def test_checkpoint_kv_scale_of_a_missing_layer(llama, tmp_path):
 def test_bad_calculate_kv_scales(llama, value):
     with pytest.raises(TypeError, match=r"calculate_kv_scales must be a bool, got"):
         LLM(str(llama), kv_cache_dtype="fp8", calculate_kv_scales=value)
+
+
+def test_interrupted_first_pass_runs_again(llama, monkeypatch):
+    """A first pass that raises (here in the last layer, after the first layer set its scales
+    and stored) is the first pass again at the next step: the scales and outputs then equal
+    those of an engine whose first pass was not interrupted."""
+    common = dict(kv_cache_dtype="fp8", kv_cache_memory=1 << 20, max_model_len=96,
+                  calculate_kv_scales=True)  # fmt: skip
+    clean = LLM(str(llama), **common)
+    expected = _scored(clean)
+    llm = LLM(str(llama), **common)
+    layer = llm.runner.model.model.layers[1]
+    real = layer.forward
+
+    def fail(*args, **kwargs):
+        raise KeyboardInterrupt("injected")
+
+    with monkeypatch.context() as m:
+        m.setattr(layer, "forward", fail)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(_prompts([50, 3], seed=9), GREEDY, use_tqdm=False)
+    assert layer.forward == real
+    assert llm.runner.first_kv_pass == "calculate"
+    assert llm.runner.kv_scales[:, 0].ne(1.0).all()  # layer 0 had set its scales
+    assert _scored(llm) == expected
+    assert torch.equal(llm.runner.kv_scales, clean.runner.kv_scales)
