@@ -286,8 +286,17 @@ class EngineConfig:
     # An 8-bit cache's per-layer scales from the first forward pass's K/V (else the
     # checkpoint's, else 1.0); no effect with kv_cache_dtype="auto".
     calculate_kv_scales: bool = False
+    # The most logprobs / prompt_logprobs a request may ask for (vLLM's default, 20: the
+    # OpenAI API's cap); -1: no cap (a vocabulary-wide request costs vocab x tokens entries).
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int):
+            raise TypeError(f"max_logprobs must be an int, got {type(self.max_logprobs).__name__}")
+        if self.max_logprobs < -1:
+            raise ValueError(
+                f"max_logprobs must be >= 0, or -1 for no cap, got {self.max_logprobs}"
+            )
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "

@@ -151,6 +151,7 @@ class LLM:
         load_format: str = "auto",
         kv_cache_dtype: str = "auto",
         calculate_kv_scales: bool = False,
+        max_logprobs: int = 20,
     ) -> None:
         _check_engine_args(model, trust_remote_code, quantization)
         self._workers: TPWorkers | None = None
@@ -171,6 +172,7 @@ class LLM:
             load_format=load_format,
             kv_cache_dtype=kv_cache_dtype,
             calculate_kv_scales=calculate_kv_scales,
+            max_logprobs=max_logprobs,
         )
         requested_dtype = parse_dtype(dtype)
         self.device = _resolve_device(device)
@@ -404,6 +406,14 @@ class LLM:
             p.__post_init__()
         except (ValueError, TypeError) as e:
             raise type(e)(f"{name}: {e}") from None
+        cap = self.config.max_logprobs
+        for field_name in ("logprobs", "prompt_logprobs"):
+            value = getattr(p, field_name)
+            if cap != -1 and value is not None and value > cap:
+                raise ValueError(
+                    f"{name}.{field_name}={value} is more than max_logprobs={cap}; ask for at "
+                    "most max_logprobs, or raise LLM(max_logprobs=...) (-1: no cap)"
+                )
         vocab = self.model_config.vocab_size
         bad = next((t for t in p.stop_token_ids if t >= vocab), None)
         if bad is not None:

@@ -198,6 +198,10 @@ BAD_PARAMS = [
      r"sampling_params\[2\].allowed_token_ids holds 600, outside the vocabulary"),
     ([SamplingParams(), SamplingParams(), SamplingParams(stop_token_ids=[3, 512], min_tokens=1)],
      ValueError, r"sampling_params\[2\].stop_token_ids holds 512, outside the vocabulary"),
+    ([SamplingParams(), SamplingParams(), SamplingParams(logprobs=21)], ValueError,
+     r"sampling_params\[2\].logprobs=21 is more than max_logprobs=20"),
+    ([SamplingParams(), SamplingParams(), SamplingParams(prompt_logprobs=10**6)], ValueError,
+     r"sampling_params\[2\].prompt_logprobs=1000000 is more than max_logprobs=20"),
     ([SamplingParams(), SamplingParams(), SamplingParams(n=300)], ValueError,
      r"prompts\[2\]: sampling_params n=300 exceeds max_num_seqs=256"),
     ([SamplingParams(), SamplingParams(), SamplingParams(n=200, max_tokens=100)], ValueError,
@@ -209,6 +213,20 @@ BAD_PARAMS = [
 def test_bad_sampling_params(llm, twin, params, error, match):
     prompts = GOOD + [[2, 3]]
     _refused(llm, twin, error, match, lambda: llm.generate(prompts, params, use_tqdm=False))
+
+
+def test_max_logprobs_sets_the_cap(model_dir):
+    # A raised cap lets more through and refuses past it; -1 lifts it (up to the vocabulary).
+    llm = LLM(str(model_dir), kv_cache_memory=KV, max_model_len=MAX_MODEL_LEN, max_logprobs=30)
+    p = SamplingParams(max_tokens=2, logprobs=25, prompt_logprobs=25)
+    out = llm.generate([[3, 1, 4]], p, use_tqdm=False)[0]
+    assert len(out.outputs[0].logprobs[0]) >= 25 and len(out.prompt_logprobs[1]) >= 25
+    with pytest.raises(ValueError, match=r"logprobs=31 is more than max_logprobs=30"):
+        llm.generate([[3]], SamplingParams(logprobs=31), use_tqdm=False)
+    llm = LLM(str(model_dir), kv_cache_memory=KV, max_model_len=MAX_MODEL_LEN, max_logprobs=-1)
+    vocab = llm.model_config.vocab_size
+    out = llm.generate([[3, 1]], SamplingParams(max_tokens=1, logprobs=10**6), use_tqdm=False)[0]
+    assert len(out.outputs[0].logprobs[0]) == vocab
 
 
 def test_stop_strings_need_a_tokenizer(tmp_path):
@@ -312,6 +330,8 @@ def test_bad_beam_search_params(kwargs, error, match):
         (dict(async_scheduling="yes"), TypeError, r"async_scheduling must be"),
         (dict(tokenizer=5), TypeError, r"tokenizer must be a path"),
         (dict(max_num_seq=4), TypeError, r"max_num_seq"),
+        (dict(max_logprobs=-2), ValueError, r"max_logprobs must be >= 0, or -1 for no cap"),
+        (dict(max_logprobs=2.0), TypeError, r"max_logprobs must be an int"),
     ],
 )  # fmt: skip
 def test_bad_engine_arguments(model_dir, kwargs, error, match):
