@@ -147,9 +147,11 @@ class LLMEngine:
 
     def _check_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
         """Finish sequences whose text now holds a stop string; returns those it finished."""
+        # A stop string may only end in text that appears once min_tokens tokens are out:
+        # in the text of a token after the first min_tokens (the first that EOS may be).
         watched = [
             s for s in seqs
-            if s.sampling_params.stop and s.num_output_tokens >= s.sampling_params.min_tokens
+            if s.sampling_params.stop and s.num_output_tokens > s.sampling_params.min_tokens
         ]  # fmt: skip
         if not watched:
             return []
