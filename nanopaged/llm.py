@@ -26,7 +26,7 @@ from nanopaged.engine.prompt_logprobs import compute_prompt_logprobs
 from nanopaged.engine.scheduler import Scheduler
 from nanopaged.engine.sequence import Sequence, SequenceStatus
 from nanopaged.generation_config import load_sampling_defaults, resolve_generation_config
-from nanopaged.inputs import PromptInput, PromptType, normalize_prompts
+from nanopaged.inputs import PromptInput, PromptType, check_unicode, normalize_prompts
 from nanopaged.logits_processors import bad_words_token_ids
 from nanopaged.outputs import (
     BeamSearchOutput,
@@ -359,6 +359,7 @@ class LLM:
                     f"prompts[{index}] is text but no tokenizer was found in {self.model_dir}; "
                     "pass token ids, or tokenizer=PATH"
                 )
+            check_unicode(prompt, f"prompts[{index}]")
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = prompt
@@ -411,6 +412,14 @@ class LLM:
             p.__post_init__()
         except (ValueError, TypeError) as e:
             raise type(e)(f"{name}: {e}") from None
+        if p.min_tokens and p.allowed_token_ids is not None:
+            early_stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+            if early_stops.issuperset(p.allowed_token_ids):
+                raise ValueError(
+                    f"{name}.allowed_token_ids holds only stop tokens (EOS or stop_token_ids), "
+                    f"which min_tokens={p.min_tokens} forbids: no token could be sampled; allow "
+                    "other tokens, or set min_tokens=0"
+                )
         cap = self.config.max_logprobs
         for field_name in ("logprobs", "prompt_logprobs"):
             value = getattr(p, field_name)
@@ -579,6 +588,8 @@ class LLM:
         params = self._normalize_params(sampling_params, len(conversations))
         texts = []
         for i, conv in enumerate(conversations):
+            for j, m in enumerate(conv):
+                check_unicode(m["content"], f"conversation {i} message {j} content")
             if continue_final_message and conv[-1]["role"] != "assistant":
                 raise ValueError(
                     f"conversation {i}: continue_final_message needs a final assistant message, "
