@@ -623,8 +623,9 @@ class LLM:
             self._with_max_tokens(p, len(prompt_ids)) for prompt_ids, p in zip(token_lists, params)
         ]
         for i, (prompt_ids, p) in enumerate(zip(token_lists, params)):
-            what = f"sampling_params n={p.n}"
-            self._check_group_fits(len(prompt_ids), p.n, p.max_tokens, what, i)
+            width = p.best_of or p.n
+            what = f"sampling_params {'n' if width == p.n else 'best_of'}={width}"
+            self._check_group_fits(len(prompt_ids), width, p.max_tokens, what, i)
         return params
 
     def _generate(
@@ -649,6 +650,9 @@ class LLM:
         """Run checked requests; yields (index, final output) as each finishes."""
         groups: list[SequenceGroup] = []
         for prompt_ids, p in zip(token_lists, params):
+            if (p.best_of or p.n) > p.n and p.logprobs is None:
+                # best_of ranks the samples by cumulative_logprob, which logprobs=0 sets
+                p = dataclasses.replace(p, logprobs=0)
             seq = Sequence(prompt_ids, p, request_id=str(self._request_counter))
             self._request_counter += 1
             if p.seed is not None:
@@ -662,8 +666,8 @@ class LLM:
         decoder = self._token_decoder()
         for group in self.engine.run_iter(groups, use_tqdm):
             i = index[id(group)]
-            out = self._request_output(group, prompt_list[i], decoder)
             p = params[i]
+            out = self._request_output(group, prompt_list[i], decoder, p)
             if p.prompt_logprobs is not None:
                 entries, ranks = compute_prompt_logprobs(
                     self.runner, token_lists[i], p.prompt_logprobs
@@ -787,14 +791,15 @@ class LLM:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def _completion(self, seq: Sequence, decoder: TokenDecoder | None) -> CompletionOutput:
-        p = seq.sampling_params
+    def _completion(
+        self, seq: Sequence, decoder: TokenDecoder | None, p: SamplingParams, index: int
+    ) -> CompletionOutput:
         text = getattr(seq, "text", None)
         if text is None:
             text = self._decode(seq.output_token_ids, p.skip_special_tokens)
         with_logprobs = p.logprobs is not None
         return CompletionOutput(
-            index=seq.index,
+            index=index,
             text=text,
             token_ids=seq.output_token_ids,
             cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
@@ -804,16 +809,23 @@ class LLM:
         )
 
     def _request_output(
-        self, group: SequenceGroup, prompt: PromptType, decoder: TokenDecoder | None
+        self,
+        group: SequenceGroup,
+        prompt: PromptType,
+        decoder: TokenDecoder | None,
+        p: SamplingParams,
     ) -> RequestOutput:
-        first = min(group.seqs, key=lambda s: s.index)
+        """The group's RequestOutput for the request's own params p: its n samples in order,
+        or with best_of, the n of highest cumulative logprob, best first."""
+        seqs = sorted(group.seqs, key=lambda s: s.index)
+        first = seqs[0]
+        if len(seqs) > p.n:
+            seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: p.n]
         return RequestOutput(
             request_id=group.request_id,
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=first.token_ids[: first.num_prompt_tokens],
-            outputs=[
-                self._completion(s, decoder) for s in sorted(group.seqs, key=lambda s: s.index)
-            ],
+            outputs=[self._completion(s, decoder, p, j) for j, s in enumerate(seqs)],
             finished=group.is_finished,
             num_cached_tokens=first.num_cached_tokens,
         )
