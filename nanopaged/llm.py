@@ -73,6 +73,32 @@ def _check_engine_args(
         )
 
 
+def _check_vllm_args(
+    enable_chunked_prefill: object, tokenizer_mode: object, task: object, disable_log_stats: object
+) -> None:
+    """vLLM arguments that name what nanopaged always does (or ask for what it does not)."""
+    if enable_chunked_prefill not in (None, True):
+        raise ValueError(
+            f"enable_chunked_prefill must be True or None, got {enable_chunked_prefill!r}: "
+            "nanopaged always splits long prompts into chunks of max_num_batched_tokens"
+        )
+    if tokenizer_mode not in ("auto", "slow"):
+        raise ValueError(
+            f"tokenizer_mode must be 'auto' (the fast tokenizer where one exists) or 'slow', "
+            f"got {tokenizer_mode!r}"
+        )
+    if task not in ("auto", "generate"):
+        raise ValueError(
+            f"task must be 'auto' or 'generate', got {task!r}: nanopaged runs generative "
+            "models only"
+        )
+    if not isinstance(disable_log_stats, bool):
+        raise TypeError(
+            f"disable_log_stats must be a bool, got {type(disable_log_stats).__name__} "
+            "(nanopaged logs no periodic stats either way)"
+        )
+
+
 def _resolve_device(device: str | torch.device) -> torch.device:
     if isinstance(device, str) and device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -146,8 +172,13 @@ class LLM:
         kv_cache_dtype: str = "auto",
         calculate_kv_scales: bool = False,
         max_logprobs: int = 20,
+        enable_chunked_prefill: bool | None = None,
+        tokenizer_mode: str = "auto",
+        task: str = "auto",
+        disable_log_stats: bool = True,
     ) -> None:
         _check_engine_args(model, trust_remote_code, quantization)
+        _check_vllm_args(enable_chunked_prefill, tokenizer_mode, task, disable_log_stats)
         self._workers: TPWorkers | None = None
         self.config = EngineConfig(
             max_num_seqs=max_num_seqs,
@@ -209,7 +240,9 @@ class LLM:
                 f"tokenizer must be a path (str or os.PathLike) or None, "
                 f"got {type(tokenizer).__name__}"
             )
-        self.tokenizer = self._load_tokenizer(Path(tokenizer) if tokenizer else self.model_dir)
+        self.tokenizer = self._load_tokenizer(
+            Path(tokenizer) if tokenizer else self.model_dir, use_fast=tokenizer_mode == "auto"
+        )
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         tok_eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
         if tok_eos is not None:
@@ -290,6 +323,7 @@ class LLM:
         # One call at a time: the engine, the tokenizer and the seed stream are shared.
         self._lock = threading.Lock()
         self._lock_owner: int | None = None
+        self._profiler: torch.profiler.profile | None = None
 
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[None]:
@@ -307,6 +341,41 @@ class LLM:
             finally:
                 self._lock_owner = None
 
+    def start_profile(self, profile_dir: str | os.PathLike | None = None) -> None:
+        """Start torch's profiler (CPU and, on CUDA, GPU activity) over the calls that follow,
+        until stop_profile() writes its Chrome trace to profile_dir (default: the
+        NANOPAGED_TORCH_PROFILER_DIR or VLLM_TORCH_PROFILER_DIR environment variable)."""
+        if self._profiler is not None:
+            raise RuntimeError("the profiler is already running: call stop_profile() first")
+        profile_dir = (
+            profile_dir
+            or os.environ.get("NANOPAGED_TORCH_PROFILER_DIR")
+            or os.environ.get("VLLM_TORCH_PROFILER_DIR")
+        )
+        if not profile_dir:
+            raise ValueError(
+                "start_profile needs a directory for the trace: pass profile_dir=, or set "
+                "NANOPAGED_TORCH_PROFILER_DIR (or VLLM_TORCH_PROFILER_DIR)"
+            )
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profile_dir = Path(profile_dir)
+        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+        self._profiler.start()
+
+    def stop_profile(self) -> Path:
+        """Stop the profiler start_profile() started; returns the Chrome trace file it wrote
+        (open it in Perfetto or chrome://tracing)."""
+        if self._profiler is None:
+            raise RuntimeError("the profiler is not running: call start_profile() first")
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+        self._profile_dir.mkdir(parents=True, exist_ok=True)
+        trace = self._profile_dir / f"nanopaged_trace_{os.getpid()}_{self._request_counter}.json"
+        profiler.export_chrome_trace(str(trace))
+        return trace
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any; the LLM cannot generate afterwards."""
         if self._workers is not None:
@@ -319,7 +388,7 @@ class LLM:
         self.shutdown()
 
     @staticmethod
-    def _load_tokenizer(path: Path):
+    def _load_tokenizer(path: Path, use_fast: bool = True):
         if not path.exists():
             raise FileNotFoundError(f"tokenizer path {str(path)!r} does not exist")
         if path.is_dir() and not any((path / f).exists() for f in _TOKENIZER_FILES):
@@ -329,7 +398,7 @@ class LLM:
         try:
             # Local files only, and never code shipped beside the model (auto_map).
             return AutoTokenizer.from_pretrained(
-                str(path), trust_remote_code=False, local_files_only=True
+                str(path), trust_remote_code=False, local_files_only=True, use_fast=use_fast
             )
         except (OSError, ValueError) as e:
             raise ValueError(
