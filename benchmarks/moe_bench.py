@@ -43,6 +43,7 @@ def copy_bandwidth() -> float:
 
 def make_block():
     """A Qwen3-30B-A3B MoE layer on the GPU in bf16, weights of unit-scale outputs."""
+    from nanopaged.layers.backend import backend_for, bind_backend
     from nanopaged.layers.moe import SparseMoeBlock
 
     torch.set_default_dtype(torch.bfloat16)
@@ -51,6 +52,10 @@ def make_block():
             block = SparseMoeBlock(HIDDEN, NUM_EXPERTS, TOP_K, INTER, norm_topk_prob=True)
     finally:
         torch.set_default_dtype(torch.float32)
+    # A layer built outside a ModelRunner computes with the torch references until bound:
+    # the Triton kernels, as a runner on this GPU binds them (the reference path cannot be
+    # captured in a CUDA graph).
+    bind_backend(block, backend_for(DEVICE))
     with torch.no_grad():
         block.gate.weight.normal_(0, HIDDEN**-0.5)
         block.experts.w13.normal_(0, HIDDEN**-0.5)

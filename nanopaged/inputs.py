@@ -27,8 +27,19 @@ _PROMPT_FORMS = (
 )
 
 
+def check_unicode(text: str, name: str) -> None:
+    """Text a tokenizer can take: no lone surrogate (which no UTF-8 encodes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{name} is not valid Unicode: {e.reason} at index {e.start} "
+            f"({text[e.start:e.end]!r}): text must be encodable as UTF-8"
+        ) from None
+
+
 def _is_token_ids(p: object) -> bool:
-    if not isinstance(p, SequenceABC) or isinstance(p, str):
+    if not isinstance(p, SequenceABC) or isinstance(p, (str, bytes, bytearray)):
         return False
     # Plain ints (the usual case) by their types alone, in C: an element at a time in Python
     # took ~40 ms for the bench's 143k prompt tokens, inside the timed generate.
@@ -41,6 +52,11 @@ def _is_token_ids(p: object) -> bool:
 def _unwrap(p: object, index: int) -> PromptType:
     if isinstance(p, str):
         return p
+    if isinstance(p, (bytes, bytearray)):
+        raise TypeError(
+            f"prompts[{index}] is {type(p).__name__}: pass text (decode it first) or a list of "
+            "int token ids"
+        )
     if isinstance(p, dict):
         if set(p) == {"prompt"} and isinstance(p["prompt"], str):
             return p["prompt"]
@@ -61,7 +77,7 @@ def _unwrap(p: object, index: int) -> PromptType:
 
 def normalize_prompts(prompts: object) -> list[PromptType]:
     """prompts in any accepted form -> a list of str or token-id lists (one entry per prompt)."""
-    if isinstance(prompts, (str, dict)):
+    if isinstance(prompts, (str, dict, bytes, bytearray)):
         return [_unwrap(prompts, 0)]
     if not isinstance(prompts, SequenceABC):
         raise TypeError(f"prompts must be {_PROMPT_FORMS}, got {type(prompts).__name__}")

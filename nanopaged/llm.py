@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import atexit
+import contextlib
 import dataclasses
-import functools
-import gc
 import os
+import threading
 import weakref
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 
@@ -26,7 +26,7 @@ from nanopaged.engine.prompt_logprobs import compute_prompt_logprobs
 from nanopaged.engine.scheduler import Scheduler
 from nanopaged.engine.sequence import Sequence, SequenceStatus
 from nanopaged.generation_config import load_sampling_defaults, resolve_generation_config
-from nanopaged.inputs import PromptInput, PromptType, normalize_prompts
+from nanopaged.inputs import PromptInput, PromptType, check_unicode, normalize_prompts
 from nanopaged.logits_processors import bad_words_token_ids
 from nanopaged.outputs import (
     BeamSearchOutput,
@@ -111,18 +111,12 @@ def _text_parts_joined(conv: object) -> object:
     return out
 
 
-@functools.cache
-def _unfreeze_at_exit() -> None:
-    # The frozen objects go back to the collector before the interpreter shuts down, so they
-    # are freed (extension modules report objects still alive at exit as leaks).
-    atexit.register(gc.unfreeze)
-
-
 class LLM:
     """An offline engine over one model: `LLM(path).generate(prompts, SamplingParams(...))`.
 
     `model` is a Hugging Face model directory (config.json + *.safetensors), a .gguf file, or
-    None for the embedded SmolLM2-135M-Instruct.
+    None for the embedded SmolLM2-135M-Instruct. Calls from several threads run one at a
+    time, each as it would alone.
     """
 
     def __init__(
@@ -293,14 +287,25 @@ class LLM:
         self._request_counter = 0
         self._num_drawn_seeds = 0
         self._decoded_tokens: dict[int, str] = {}
-        # What exists once start-up is done (the imported libraries' and the tokenizer's
-        # objects: hundreds of thousands) leaves the garbage collector's view for good, after
-        # one last collection: every full collection walked it again, 0.3-0.5 s each on a
-        # 152k-vocabulary model, in the middle of a run's output building. The LLM itself is
-        # freed by reference counting when dropped (no cycles; a test checks it).
-        gc.collect()
-        gc.freeze()
-        _unfreeze_at_exit()
+        # One call at a time: the engine, the tokenizer and the seed stream are shared.
+        self._lock = threading.Lock()
+        self._lock_owner: int | None = None
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Hold the LLM for one call; other threads' calls wait for it to end."""
+        me = threading.get_ident()
+        if self._lock_owner == me:
+            raise RuntimeError(
+                "this LLM is already running a call in this thread (a generate_iter loop not "
+                "yet finished?): finish or close that iterator first"
+            )
+        with self._lock:
+            self._lock_owner = me
+            try:
+                yield
+            finally:
+                self._lock_owner = None
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any; the LLM cannot generate afterwards."""
@@ -354,6 +359,7 @@ class LLM:
                     f"prompts[{index}] is text but no tokenizer was found in {self.model_dir}; "
                     "pass token ids, or tokenizer=PATH"
                 )
+            check_unicode(prompt, f"prompts[{index}]")
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = prompt
@@ -406,6 +412,14 @@ class LLM:
             p.__post_init__()
         except (ValueError, TypeError) as e:
             raise type(e)(f"{name}: {e}") from None
+        if p.min_tokens and p.allowed_token_ids is not None:
+            early_stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+            if early_stops.issuperset(p.allowed_token_ids):
+                raise ValueError(
+                    f"{name}.allowed_token_ids holds only stop tokens (EOS or stop_token_ids), "
+                    f"which min_tokens={p.min_tokens} forbids: no token could be sampled; allow "
+                    "other tokens, or set min_tokens=0"
+                )
         cap = self.config.max_logprobs
         for field_name in ("logprobs", "prompt_logprobs"):
             value = getattr(p, field_name)
@@ -450,13 +464,48 @@ class LLM:
         A prompt is a str, a list of token ids, {"prompt": str} or {"prompt_token_ids": [...]}.
         sampling_params=None: get_default_sampling_params().
         """
+        with self._exclusive():
+            return self._generate(*self._requests(prompts, sampling_params), use_tqdm)
+
+    def generate_iter(
+        self,
+        prompts: PromptInput | list[PromptInput],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """generate(), but each request's final output as soon as it finishes: yields
+        (index of its prompt, RequestOutput) in the order requests finish.
+
+        Every prompt and SamplingParams is checked before this returns. Leaving the loop early
+        (break, an exception, Ctrl-C) aborts the requests left and frees their blocks; the LLM
+        runs no other call until the iterator is exhausted or closed.
+        """
+        with self._exclusive():
+            requests = self._requests(prompts, sampling_params)
+        return self._iterate(*requests, use_tqdm)
+
+    def _iterate(
+        self,
+        prompt_list: list[PromptType],
+        token_lists: list[list[int]],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        with self._exclusive():
+            yield from self._run(prompt_list, token_lists, params, use_tqdm)
+
+    def _requests(
+        self, prompts, sampling_params
+    ) -> tuple[list[PromptType], list[list[int]], list[SamplingParams]]:
+        """The checked prompts, their token ids and their SamplingParams."""
         prompt_list = self._normalize_prompts(prompts)
         params = self._normalize_params(sampling_params, len(prompt_list))
         token_lists = [
             self._tokenize(p, i, sp.truncate_prompt_tokens)
             for i, (p, sp) in enumerate(zip(prompt_list, params))
         ]
-        return self._generate(prompt_list, token_lists, params, use_tqdm)
+        return prompt_list, token_lists, self._fitted(token_lists, params)
 
     def chat(
         self,
@@ -475,6 +524,22 @@ class LLM:
         continue_final_message: render the last (assistant) message open, to be continued.
         chat_template_kwargs: extra variables for the template.
         """
+        with self._exclusive():
+            return self._chat(
+                messages, sampling_params, use_tqdm, chat_template, add_generation_prompt,
+                continue_final_message, chat_template_kwargs,
+            )  # fmt: skip
+
+    def _chat(
+        self,
+        messages,
+        sampling_params,
+        use_tqdm: bool,
+        chat_template: str | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        chat_template_kwargs: dict | None,
+    ) -> list[RequestOutput]:
         if not isinstance(messages, SequenceABC) or isinstance(messages, str) or not messages:
             raise TypeError(
                 "messages must be a non-empty list of {'role', 'content'} dicts, or a list of "
@@ -523,6 +588,8 @@ class LLM:
         params = self._normalize_params(sampling_params, len(conversations))
         texts = []
         for i, conv in enumerate(conversations):
+            for j, m in enumerate(conv):
+                check_unicode(m["content"], f"conversation {i} message {j} content")
             if continue_final_message and conv[-1]["role"] != "assistant":
                 raise ValueError(
                     f"conversation {i}: continue_final_message needs a final assistant message, "
@@ -544,7 +611,21 @@ class LLM:
             )
             for i, (t, p) in enumerate(zip(texts, params))
         ]
+        params = self._fitted(token_lists, params)
         return self._generate(texts, token_lists, params, use_tqdm)
+
+    def _fitted(
+        self, token_lists: list[list[int]], params: list[SamplingParams]
+    ) -> list[SamplingParams]:
+        """params with max_tokens=None made the room left under max_model_len; each request
+        checked to fit the engine alone."""
+        params = [
+            self._with_max_tokens(p, len(prompt_ids)) for prompt_ids, p in zip(token_lists, params)
+        ]
+        for i, (prompt_ids, p) in enumerate(zip(token_lists, params)):
+            what = f"sampling_params n={p.n}"
+            self._check_group_fits(len(prompt_ids), p.n, p.max_tokens, what, i)
+        return params
 
     def _generate(
         self,
@@ -553,12 +634,19 @@ class LLM:
         params: list[SamplingParams],
         use_tqdm: bool,
     ) -> list[RequestOutput]:
-        params = [
-            self._with_max_tokens(p, len(prompt_ids)) for prompt_ids, p in zip(token_lists, params)
-        ]
-        for i, (prompt_ids, p) in enumerate(zip(token_lists, params)):
-            what = f"sampling_params n={p.n}"
-            self._check_group_fits(len(prompt_ids), p.n, p.max_tokens, what, i)
+        outputs: list[RequestOutput | None] = [None] * len(prompt_list)
+        for i, out in self._run(prompt_list, token_lists, params, use_tqdm):
+            outputs[i] = out
+        return outputs
+
+    def _run(
+        self,
+        prompt_list: list[PromptType],
+        token_lists: list[list[int]],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """Run checked requests; yields (index, final output) as each finishes."""
         groups: list[SequenceGroup] = []
         for prompt_ids, p in zip(token_lists, params):
             seq = Sequence(prompt_ids, p, request_id=str(self._request_counter))
@@ -570,17 +658,18 @@ class LLM:
             if p.bad_words:
                 seq.bad_words_token_ids = bad_words_token_ids(p.bad_words, self.tokenizer)
             groups.append(SequenceGroup(seq.request_id, seq))
-        self.engine.run(groups, use_tqdm)
+        index = {id(g): i for i, g in enumerate(groups)}
         decoder = self._token_decoder()
-        outputs = [
-            self._request_output(group, prompt, decoder)
-            for group, prompt in zip(groups, prompt_list)
-        ]
-        for out, prompt_ids, p in zip(outputs, token_lists, params):
+        for group in self.engine.run_iter(groups, use_tqdm):
+            i = index[id(group)]
+            out = self._request_output(group, prompt_list[i], decoder)
+            p = params[i]
             if p.prompt_logprobs is not None:
-                entries, ranks = compute_prompt_logprobs(self.runner, prompt_ids, p.prompt_logprobs)
+                entries, ranks = compute_prompt_logprobs(
+                    self.runner, token_lists[i], p.prompt_logprobs
+                )
                 out.prompt_logprobs = [None, *LazyLogprobs(entries, ranks, decoder)]
-        return outputs
+            yield i, out
 
     def _with_max_tokens(self, p: SamplingParams, prompt_len: int) -> SamplingParams:
         """p, or a copy whose max_tokens=None is made the room left under max_model_len."""
@@ -646,6 +735,12 @@ class LLM:
         best first (see BeamSearchParams), their tokens and text starting with the prompt's.
         Beams share KV blocks: a candidate forks its parent's blocks and a beam that falls out
         frees its own."""
+        with self._exclusive():
+            return self._beam_search(prompts, params, use_tqdm)
+
+    def _beam_search(
+        self, prompts, params: BeamSearchParams, use_tqdm: bool
+    ) -> list[BeamSearchOutput]:
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         params.__post_init__()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from nanopaged.inputs import check_unicode
+
 # Temperatures below this sample like greedy, and dividing logits by them could overflow.
 _MIN_TEMPERATURE = 1e-5
 
@@ -108,6 +110,7 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be a non-empty string or a list of them, got {s!r}")
+            check_unicode(s, "stop")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise TypeError(
                 "stop_token_ids must be a list of int token ids, "
@@ -157,6 +160,7 @@ class SamplingParams:
             for w in self.bad_words:
                 if not isinstance(w, str) or not w.strip():
                     raise ValueError(f"bad_words must hold non-blank strings, got {w!r}")
+                check_unicode(w, "bad_words")
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, (list, tuple)):
                 raise TypeError(

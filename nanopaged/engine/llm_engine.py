@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Iterator
 
 from tqdm.auto import tqdm
 
@@ -73,12 +74,19 @@ class LLMEngine:
 
     def run(self, groups: list[SequenceGroup], use_tqdm: bool) -> None:
         """Run every group to completion; on any error or interruption nothing stays held."""
+        for _ in self.run_iter(groups, use_tqdm):
+            pass
+
+    def run_iter(self, groups: list[SequenceGroup], use_tqdm: bool) -> Iterator[SequenceGroup]:
+        """Run every group to completion, yielding each as it finishes. Closing the iterator
+        early (break, an error, Ctrl-C) aborts the groups left and frees their blocks."""
         bar = tqdm(total=len(groups), desc="Processed prompts", disable=not use_tqdm, leave=True)
         rates = StepRates()
         # No full garbage collection while the run lasts: one walks every object of the
         # process (the model's, the tokenizer's, the run's logprob rows), a 0.3-0.4 s pause
         # at a time in a logprobs run. The young generations are collected every
-        # GC_YOUNG_EVERY steps instead; automatic collection is back as it was afterwards.
+        # GC_YOUNG_EVERY steps instead; automatic collection is back as it was while the
+        # caller holds control (between yields) and afterwards.
         collecting = gc.isenabled()
         gc.disable()
         num_loops = 0
@@ -120,16 +128,18 @@ class LLMEngine:
                 else:
                     step = self.scheduler.postprocess(batch, handle.result(), handle.logprobs())
                 stopped = self._check_stop_strings(step.grown)
-                # Two samples of one request can both stop here: count each request once.
-                done = len(
-                    {id(g) for g in step.finished_groups}
-                    | {id(s.group) for s in stopped if s.group.is_finished}
-                )
-                if done:
-                    bar.update(done)
+                # Two samples of one request can both stop here: each request once.
+                done = {id(g): g for g in step.finished_groups}
+                done.update((id(s.group), s.group) for s in stopped if s.group.is_finished)
                 rates.add(num_prefill, num_decode)
                 if use_tqdm:
                     bar.set_postfix_str(rates.describe(), refresh=False)
+                if done:
+                    bar.update(len(done))
+                    if collecting:
+                        gc.enable()
+                    yield from done.values()
+                    gc.disable()
         except BaseException:
             # Interrupted or failed mid-step: give every block back so the LLM stays usable.
             self.scheduler.abort_all()
@@ -147,9 +157,11 @@ class LLMEngine:
 
     def _check_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
         """Finish sequences whose text now holds a stop string; returns those it finished."""
+        # A stop string may only end in text that appears once min_tokens tokens are out:
+        # in the text of a token after the first min_tokens (the first that EOS may be).
         watched = [
             s for s in seqs
-            if s.sampling_params.stop and s.num_output_tokens >= s.sampling_params.min_tokens
+            if s.sampling_params.stop and s.num_output_tokens > s.sampling_params.min_tokens
         ]  # fmt: skip
         if not watched:
             return []

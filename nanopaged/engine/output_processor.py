@@ -122,7 +122,11 @@ def update_texts(
 
 def find_stop_strings(seqs: list[Sequence], tokenizer) -> list[tuple[Sequence, int, str, str]]:
     """The sequences whose newest tokens completed a stop string in their output text, each as
-    (seq, index in the full output text, the string, the full output text)."""
+    (seq, index in the full output text, the string, the full output text).
+
+    Only text that appears once min_tokens tokens are out is searched: a sequence starts being
+    watched with the text of its first min_tokens tokens already taken in.
+    """
     items, before = [], []
     for seq in seqs:
         detok = seq.detokenizer
@@ -130,33 +134,36 @@ def find_stop_strings(seqs: list[Sequence], tokenizer) -> list[tuple[Sequence, i
             detok = seq.detokenizer = IncrementalDetokenizer(
                 seq.sampling_params.skip_special_tokens
             )
+            out = seq.token_ids[seq.num_prompt_tokens :][: seq.sampling_params.min_tokens]
+            if out:
+                detok.update(tokenizer, out)
         items.append((detok, seq.token_ids, seq.num_prompt_tokens))
         before.append(len(detok.text))
     update_texts(tokenizer, items)
     found = []
     for seq, start_len in zip(seqs, before):
-        stops = seq.sampling_params.stop
         text = seq.detokenizer.text
-        # Only the tail can hold a stop string that was not there a token ago: the new text
-        # and the (longest stop string - 1) characters before it.
-        start = max(0, start_len - max(map(len, stops)) + 1)
-        for s in stops:
-            if text.find(s, start) >= 0:
-                break
-        else:
-            continue
-        # Found in the windows' text: place it in the full decode, which is what users get.
-        found += _place_stop(seq, tokenizer)
+        # Only a stop string that ends in the new text was not there a token ago.
+        stops = seq.sampling_params.stop
+        if any(text.find(s, max(0, start_len - len(s) + 1)) >= 0 for s in stops):
+            # Found in the windows' text: place it in the full decode, which users get.
+            found += _place_stop(seq, tokenizer)
     return found
 
 
 def _place_stop(seq: Sequence, tokenizer) -> list[tuple[Sequence, int, str, str]]:
     """[(seq, index, stop string, full output text)] for the first stop string in the full
-    decode of seq's output, which is what users get; [] if none is there."""
+    decode of seq's output (what users get) that ends after the text of its first min_tokens
+    tokens; [] if none is there."""
     params = seq.sampling_params
-    stops = params.stop
-    full = tokenizer.decode(seq.output_token_ids, skip_special_tokens=params.skip_special_tokens)
-    hits = [(i, s) for i, s in ((full.find(s), s) for s in stops) if i >= 0]
+    skip = params.skip_special_tokens
+    output = seq.output_token_ids
+    full = tokenizer.decode(output, skip_special_tokens=skip)
+    floor = 0
+    if params.min_tokens:
+        floor = len(tokenizer.decode(output[: params.min_tokens], skip_special_tokens=skip))
+    found = ((full.find(s, max(0, floor - len(s) + 1)), s) for s in params.stop)
+    hits = [(i, s) for i, s in found if i >= 0]
     return [(seq, *min(hits), full)] if hits else []
 
 
@@ -247,11 +254,17 @@ class ByteTail:
     """A watched sequence's newest output bytes: enough to hold a stop string that the next
     tokens complete."""
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], prior: bytes = b"", num_prior: int = 0) -> None:
+        """prior: the bytes of the first num_prior output tokens, taken in unsearched (the
+        min_tokens window, where no stop string may end)."""
         self.stops = [s.encode() for s in stops]
         self.keep = max(map(len, self.stops)) - 1
-        self.tail = b""  # from keep bytes before the last search (more while a character waits)
-        self.read = 0  # output tokens already taken in
+        # From keep bytes before the last search (more while a character waits); its first
+        # `searched` bytes were there at the last search: a new match must end after them.
+        self.tail = prior[-self.keep :] if self.keep else b""
+        self.searched = len(self.tail)
+        self.read = num_prior  # output tokens already taken in
+
 
 
 class StopMatcher:
@@ -281,12 +294,15 @@ class StopMatcher:
                 if any("\ufffd" in s for s in params.stop):
                     by_text.append(seq)  # a replacement character has no bytes of its own
                     continue
-                watch = seq.detokenizer = ByteTail(params.stop)
             elif not isinstance(watch, ByteTail):
                 by_text.append(seq)
                 continue
             table = tables[params.skip_special_tokens]
             size = len(table)
+            if watch is None:
+                out = seq.token_ids[seq.num_prompt_tokens :][: params.min_tokens]
+                prior = b"".join([table[t] if t < size else b"" for t in out])
+                watch = seq.detokenizer = ByteTail(params.stop, prior, len(out))
             new = seq.token_ids[seq.num_prompt_tokens + watch.read :]
             if len(new) == 1:  # the usual step: one token, no join
                 piece = table[new[0]] if new[0] < size else b""
@@ -299,11 +315,11 @@ class StopMatcher:
                 # so does the search, over all the bytes since the last one it made.
                 watch.tail = buf
                 continue
+            start = watch.searched
             watch.tail = buf[-watch.keep :] if watch.keep else b""
-            for stop in watch.stops:
-                if stop in buf:
-                    hits.append(seq)
-                    break
+            watch.searched = len(watch.tail)
+            if any(buf.find(stop, max(0, start - len(stop) + 1)) >= 0 for stop in watch.stops):
+                hits.append(seq)
         found = find_stop_strings(by_text, self.tokenizer) if by_text else []
         for seq in hits:
             found += _place_stop(seq, self.tokenizer)

@@ -19,6 +19,7 @@ from nanopaged import LLM, BeamSearchParams, SamplingParams
 MAX_MODEL_LEN = 128
 KV = 1 << 20  # 128 blocks of 16 tokens
 GOOD = [[3, 1, 4, 1, 5], "hello"]  # the two valid prompts before the bad third one
+EOS = 256  # the byte tokenizer's <eos> (tiny_models.add_byte_tokenizer: after the 256 bytes)
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -105,6 +106,8 @@ def _refused(llm, twin, error, match, call) -> None:
         (dict(seed=1.5), TypeError, r"seed must be an int, got float"),
         (dict(stop=5), TypeError, r"stop must be a str or a list of str, got int"),
         (dict(stop=[""]), ValueError, r"stop must be a non-empty string"),
+        (dict(stop=["ok", "\ud800"]), ValueError, r"stop is not valid Unicode"),
+        (dict(bad_words=["x\udfff"]), ValueError, r"bad_words is not valid Unicode"),
         (dict(stop=["a", 3]), ValueError, r"stop must be a non-empty string .* got 3"),
         (dict(stop_token_ids=5), TypeError, r"stop_token_ids must be a list of int token ids"),
         (dict(stop_token_ids=[-1]), ValueError, r"stop_token_ids must hold ints >= 0"),
@@ -169,6 +172,10 @@ BAD_PROMPTS = [
     ({"a": 1}, TypeError, r"prompts\[2\] must be a str or a list of int"),
     ({"prompt": "x", "multi_modal_data": {}}, TypeError, r"no other prompt keys"),
     ({"prompt_token_ids": [1, 2.5]}, TypeError, r"prompts\[2\] must be a str or a list"),
+    (b"hello", TypeError, r"prompts\[2\] is bytes: pass text \(decode it first\)"),
+    (bytearray(b"hi"), TypeError, r"prompts\[2\] is bytearray"),
+    ("caf\udce9", ValueError, r"prompts\[2\] is not valid Unicode: .* at index 3"),
+    ({"prompt": "\ud83d!"}, ValueError, r"prompts\[2\] is not valid Unicode"),
 ]  # fmt: skip
 
 
@@ -202,6 +209,12 @@ BAD_PARAMS = [
      r"sampling_params\[2\].logprobs=21 is more than max_logprobs=20"),
     ([SamplingParams(), SamplingParams(), SamplingParams(prompt_logprobs=10**6)], ValueError,
      r"sampling_params\[2\].prompt_logprobs=1000000 is more than max_logprobs=20"),
+    ([SamplingParams(), SamplingParams(), SamplingParams(allowed_token_ids=[EOS], min_tokens=3)],
+     ValueError, r"sampling_params\[2\].allowed_token_ids holds only stop tokens .* "
+     r"min_tokens=3 forbids"),
+    ([SamplingParams(), SamplingParams(),
+      SamplingParams(allowed_token_ids=[EOS, 7], stop_token_ids=[7], min_tokens=1)],
+     ValueError, r"allowed_token_ids holds only stop tokens"),
     ([SamplingParams(), SamplingParams(), SamplingParams(n=300)], ValueError,
      r"prompts\[2\]: sampling_params n=300 exceeds max_num_seqs=256"),
     ([SamplingParams(), SamplingParams(), SamplingParams(n=200, max_tokens=100)], ValueError,

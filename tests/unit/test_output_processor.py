@@ -315,3 +315,49 @@ def test_byte_matcher_ids_past_the_vocabulary_are_empty(byte_tokenizer):
     assert tok.decode(ids) == "abcd"
     hits = _step_hits(StopMatcher(tok).find, tok, ids, ["bc"], [1] * len(ids))
     assert [h[:3] for h in hits] == [(3, 1, "bc")]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_stop_strings_ignore_the_min_tokens_window(byte_tokenizer, skip):
+    """A stop string may only end in text that appears once min_tokens tokens are out: both
+    finders, watched as the engine watches (from the token after the first min_tokens), give
+    the first occurrence in the full text that ends past the window's text, at the step the
+    text first holds one."""
+    from nanopaged.engine.output_processor import StopMatcher
+
+    tok = byte_tokenizer
+    rng = random.Random(11)
+    words = ["ab", " cat", "\u00e9t\u00e9", "!", "ab!", "\n", " \u4e2d"]
+    num_early = 0
+    for trial in range(80):
+        ids = []
+        while len(ids) < 24:
+            ids += tok.encode(rng.choice(words))
+        min_tokens = rng.randint(1, 12)
+        early = tok.decode(ids[:min_tokens], skip_special_tokens=skip)
+        stops = [rng.choice(["ab", "!", "\u00e9", "t ", "cat"])]
+        if early:  # a string the window's text holds, so today's search would stop there
+            a = rng.randrange(len(early))
+            stops.append(early[a : a + rng.randint(1, 3)].replace("\ufffd", "") or "ab")
+        num_early += any(s in early for s in stops)
+        floor = len(early)
+        want = None
+        for t in range(min_tokens + 1, len(ids) + 1):
+            full = tok.decode(ids[:t], skip_special_tokens=skip)
+            hits = [(full.find(s, max(0, floor - len(s) + 1)), s) for s in stops]
+            hits = [h for h in hits if h[0] >= 0]
+            if hits and not full.endswith("\ufffd"):
+                want = (*min(hits), full)
+                break
+        for find in (lambda s: find_stop_strings(s, tok), StopMatcher(tok).find):
+            seq = _seq(tok, stops, skip_special_tokens=skip, min_tokens=min_tokens)
+            seq.token_ids += ids[:min_tokens]
+            got = None
+            for t in range(min_tokens, len(ids)):
+                seq.token_ids.append(ids[t])
+                found = find([seq])
+                if found:
+                    got = found[0][1:]
+                    break
+            assert got == want, (trial, ids, stops, min_tokens)
+    assert num_early > 40  # most trials have a stop string inside the window
