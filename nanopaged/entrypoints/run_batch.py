@@ -30,7 +30,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from nanopaged.config import KV_CACHE_DTYPES
-from nanopaged.inputs import TokensPrompt
+from nanopaged.inputs import TokensPrompt, check_unicode
 from nanopaged.llm import LLM, _text_parts_joined
 from nanopaged.outputs import CompletionOutput, RequestOutput
 from nanopaged.sampling_params import SamplingParams
@@ -296,24 +296,25 @@ def _chat_token_ids(llm: LLM, messages: list) -> list[int]:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise BadRequest("the model's tokenizer has no chat template; use /v1/completions")
     try:
+        for j, m in enumerate(conv):
+            check_unicode(m["content"], f"body.messages[{j}].content")
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    try:
         text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # the template is code over this request's data: its error is ours
+    except Exception as e:  # the template is code run over this request's data: its error
         raise BadRequest(f"the chat template failed on body.messages: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False)
 
 
 def checked_prompt(llm: LLM, req: BatchRequest) -> TokensPrompt:
-    """req's prompt as token ids, once LLM's own checks (those generate makes before any work)
-    pass for req alone: a refusal is req's 400, never a stop for the others."""
+    """req's prompt as token ids, once the checks generate makes before any work pass for req
+    alone: a refusal is req's 400 and never stops the others."""
     prompt = req.body["messages"] if req.url == CHAT_URL else req.body["prompt"]
     if req.url == CHAT_URL:
-        prompt = _chat_token_ids(llm, prompt)
+        prompt = TokensPrompt(prompt_token_ids=_chat_token_ids(llm, prompt))
     try:
-        (params,) = llm._normalize_params(req.params, 1)
-        token_ids = llm._tokenize(prompt, 0, params.truncate_prompt_tokens)
-        params = llm._with_max_tokens(params, len(token_ids))
-        what = f"sampling_params n={params.n}"
-        llm._check_group_fits(len(token_ids), params.n, params.max_tokens, what, 0)
+        _, (token_ids,), _ = llm._requests([prompt], [req.params])
     except (ValueError, TypeError) as e:
         raise BadRequest(str(e).replace("prompts[0]", "the prompt")) from None
     return TokensPrompt(prompt_token_ids=token_ids)
@@ -415,7 +416,9 @@ def run_batch(
         for record in errors:
             out.write(record)
             bar.update(1)
-        finished = _finished(llm, prompts, [r.params for r in reqs]) if reqs else ()
+        # One engine call over the whole file: continuous batching, each record written as
+        # its request finishes; leaving early (an error, Ctrl-C) aborts the rest in the engine.
+        finished = llm.generate_iter(prompts, [r.params for r in reqs]) if reqs else ()
         for i, result in finished:
             body = response_body(llm, reqs[i], result, model_name)
             out.write(_record(reqs[i].custom_id, 200, body, None))
@@ -425,10 +428,6 @@ def run_batch(
         out.close()
         bar.close()
     return counts
-
-
-def _finished(llm, prompts, params):
-    yield from enumerate(llm.generate(prompts, params, use_tqdm=False))
 
 
 def add_parser(sub) -> None:

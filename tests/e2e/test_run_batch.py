@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -247,6 +248,53 @@ def test_a_bad_line_is_one_error_record_and_the_rest_are_served(llm, tmp_path, k
     assert _status(err) == 400
     assert err["error"]["message"].startswith("line 2: ") and message in err["error"]["message"]
     assert sorted(r["custom_id"] for r in records if _status(r) == 200) == ["first", "last"]
+
+
+def test_results_are_written_and_counted_as_each_request_finishes(llm, tmp_path, monkeypatch):
+    """A request that finishes early has its record on disk (flushed, fsynced) and on the
+    progress bar while a longer one still runs."""
+    from nanopaged.entrypoints import run_batch as rb
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    # logit_bias forces a token that is not EOS, so "long" runs all its 40 tokens.
+    inp.write_text(_cmpl("long", max_tokens=40, logit_bias={"9": 100}) + "\n"
+                   + _cmpl("short", max_tokens=1) + "\n")  # fmt: skip
+    bars = []
+
+    class Bar:
+        def __init__(self, *args, **kwargs):
+            self.n = 0
+            bars.append(self)
+
+        def update(self, k=1):
+            self.n += k
+
+        def close(self):
+            pass
+
+    fsyncs = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(fd), real_fsync(fd))[1])
+    monkeypatch.setattr(rb, "tqdm", Bar)
+    monkeypatch.setattr(rb, "FSYNC_EVERY", 1, raising=False)
+    seen = []
+    schedule = llm.scheduler.schedule
+
+    def spying_schedule():
+        text = out.read_text() if out.exists() else ""
+        seen.append(([json.loads(x)["custom_id"] for x in text.splitlines()], bars[0].n,
+                     len(fsyncs)))  # fmt: skip
+        return schedule()
+
+    monkeypatch.setattr(llm.scheduler, "schedule", spying_schedule)
+    counts = run_batch(llm, inp, out, "m", use_tqdm=True)
+    assert counts == {"ok": 2, "error": 0, "skipped": 0}
+    # While "long" still ran, "short" was written, counted and fsynced.
+    assert (["short"], 1) in [(ids, n) for ids, n, _ in seen]
+    fsyncs_at_start = seen[0][2]
+    assert any(ids == ["short"] and n > fsyncs_at_start for ids, _, n in seen)
+    assert [r["custom_id"] for r in _read(out)] == ["short", "long"]
+    assert bars[0].n == 2
 
 
 def test_a_refused_request_does_not_split_the_batch(llm, tmp_path, monkeypatch):
