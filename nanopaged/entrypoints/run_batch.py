@@ -486,6 +486,6 @@ def main(args: argparse.Namespace) -> int:
     )
     print(
         f"run-batch: {counts['ok']} served, {counts['error']} errors, "
-        f"{counts['skipped']} already in {args.output_file}"
+        f"{counts['skipped']} already done in {args.output_file}"
     )
     return 0
