@@ -20,6 +20,7 @@ anything is appended.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -54,7 +55,6 @@ class BatchRequest:
     url: str
     body: dict
     params: SamplingParams
-    lineno: int
 
 
 # ---- parsing -------------------------------------------------------------------------------
@@ -140,7 +140,7 @@ def custom_id_of(obj: object) -> str | None:
     return cid if isinstance(cid, str) and cid else None
 
 
-def parse_request(obj: object, lineno: int, defaults: SamplingParams) -> BatchRequest:
+def parse_request(obj: object, defaults: SamplingParams) -> BatchRequest:
     """A decoded input line as a BatchRequest; BadRequest names what is wrong."""
     if not isinstance(obj, dict):
         raise BadRequest(f"a request line must be a JSON object, got {type(obj).__name__}")
@@ -169,12 +169,12 @@ def parse_request(obj: object, lineno: int, defaults: SamplingParams) -> BatchRe
         if not ok:
             raise BadRequest("body.prompt must be a string or a list of token ids")
     params = sampling_params_from_body(body, url, defaults)
-    return BatchRequest(custom_id, url, body, params, lineno)
+    return BatchRequest(custom_id, url, body, params)
 
 
-def done_custom_ids(output_path: Path) -> tuple[set[str], int]:
-    """custom_ids with a status-200 record in output_path, and the byte length of its complete
-    lines (a torn last line, if any, lies past it)."""
+def scan_output(output_path: Path) -> tuple[set[str], int]:
+    """The custom_ids done in output_path (those with a status-200 record), and the length in
+    bytes of its whole lines (a torn last line, if any, lies past it)."""
     done: set[str] = set()
     complete = 0
     if not output_path.exists():
@@ -310,9 +310,10 @@ def _chat_token_ids(llm: LLM, messages: list) -> list[int]:
 def checked_prompt(llm: LLM, req: BatchRequest) -> TokensPrompt:
     """req's prompt as token ids, once the checks generate makes before any work pass for req
     alone: a refusal is req's 400 and never stops the others."""
-    prompt = req.body["messages"] if req.url == CHAT_URL else req.body["prompt"]
     if req.url == CHAT_URL:
-        prompt = TokensPrompt(prompt_token_ids=_chat_token_ids(llm, prompt))
+        prompt = TokensPrompt(prompt_token_ids=_chat_token_ids(llm, req.body["messages"]))
+    else:
+        prompt = req.body["prompt"]
     try:
         _, (token_ids,), _ = llm._requests([prompt], [req.params])
     except (ValueError, TypeError) as e:
@@ -350,7 +351,7 @@ def read_requests(
                             f"custom_id {cid!r} repeats line {first}'s; each request needs "
                             "its own custom_id"
                         )
-                req = parse_request(obj, lineno, defaults)
+                req = parse_request(obj, defaults)
                 prompt = checked_prompt(llm, req)
             except BadRequest as e:
                 errors.append(_record(cid, 400, None, f"line {lineno}: {e}"))
@@ -407,26 +408,29 @@ def run_batch(
     record ("error") and were done already ("skipped")."""
     if output_path.exists() and os.path.samefile(input_path, output_path):
         raise ValueError(f"the output file is the input file ({str(input_path)!r})")
-    done, complete = done_custom_ids(output_path)
+    done, complete = scan_output(output_path)
     reqs, prompts, errors, skipped = read_requests(llm, input_path, done)
     counts = {"ok": 0, "error": len(errors), "skipped": skipped}
-    bar = tqdm(total=len(errors) + len(reqs), desc="Requests", disable=not use_tqdm)
     out = ResultWriter(output_path, complete)
+    bar = tqdm(total=len(errors) + len(reqs), desc="Requests", disable=not use_tqdm)
     try:
         for record in errors:
             out.write(record)
             bar.update(1)
-        # One engine call over the whole file: continuous batching, each record written as
-        # its request finishes; leaving early (an error, Ctrl-C) aborts the rest in the engine.
-        finished = llm.generate_iter(prompts, [r.params for r in reqs]) if reqs else ()
-        for i, result in finished:
-            body = response_body(llm, reqs[i], result, model_name)
-            out.write(_record(reqs[i].custom_id, 200, body, None))
-            counts["ok"] += 1
-            bar.update(1)
+        if reqs:
+            # One engine call over the whole file: continuous batching, each record written as
+            # its request finishes. closing(): leaving early (an error, Ctrl-C) aborts the rest
+            # and frees the LLM at once, not when the traceback lets the generator go.
+            finished = llm.generate_iter(prompts, [r.params for r in reqs])
+            with contextlib.closing(finished):
+                for i, result in finished:
+                    body = response_body(llm, reqs[i], result, model_name)
+                    out.write(_record(reqs[i].custom_id, 200, body, None))
+                    counts["ok"] += 1
+                    bar.update(1)
     finally:
-        out.close()
         bar.close()
+        out.close()
     return counts
 
 

@@ -354,3 +354,28 @@ def test_max_logprobs_option(model_dir, tmp_path, monkeypatch):
     assert _status(record) == 200
     content = record["response"]["body"]["choices"][0]["logprobs"]["content"]
     assert [len(c["top_logprobs"]) for c in content] == [25, 25]
+
+
+def test_ctrl_c_mid_run_keeps_finished_records_and_the_llm_usable(llm, tmp_path, monkeypatch):
+    from nanopaged.entrypoints import run_batch as rb
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(_cmpl(f"r{i}", max_tokens=1 + i) for i in range(4)) + "\n")
+    real_body, bodies = rb.response_body, []
+
+    def interrupted_body(*args):
+        if len(bodies) == 2:
+            raise KeyboardInterrupt
+        bodies.append(real_body(*args))
+        return bodies[-1]
+
+    monkeypatch.setattr(rb, "response_body", interrupted_body)
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        run_batch(llm, inp, out, "m", use_tqdm=False)
+    # While the traceback (and so run_batch's frame) lives on, the LLM serves: the requests
+    # left were aborted and their blocks freed when run_batch was left, not at collection.
+    assert interrupted.tb is not None and llm.kv_stats().num_used_blocks == 0
+    llm.generate("abc", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert [r["custom_id"] for r in _read(out)] == ["r0", "r1"]
+    monkeypatch.undo()
+    assert run_batch(llm, inp, out, "m", use_tqdm=False) == {"ok": 2, "error": 0, "skipped": 2}
