@@ -73,6 +73,32 @@ def _check_engine_args(
         )
 
 
+def _check_vllm_args(
+    enable_chunked_prefill: object, tokenizer_mode: object, task: object, disable_log_stats: object
+) -> None:
+    """vLLM arguments that name what nanopaged always does (or ask for what it does not)."""
+    if enable_chunked_prefill not in (None, True):
+        raise ValueError(
+            f"enable_chunked_prefill must be True or None, got {enable_chunked_prefill!r}: "
+            "nanopaged always splits long prompts into chunks of max_num_batched_tokens"
+        )
+    if tokenizer_mode not in ("auto", "slow"):
+        raise ValueError(
+            f"tokenizer_mode must be 'auto' (the fast tokenizer where one exists) or 'slow', "
+            f"got {tokenizer_mode!r}"
+        )
+    if task not in ("auto", "generate"):
+        raise ValueError(
+            f"task must be 'auto' or 'generate', got {task!r}: nanopaged runs generative "
+            "models only"
+        )
+    if not isinstance(disable_log_stats, bool):
+        raise TypeError(
+            f"disable_log_stats must be a bool, got {type(disable_log_stats).__name__} "
+            "(nanopaged logs no periodic stats either way)"
+        )
+
+
 def _resolve_device(device: str | torch.device) -> torch.device:
     if isinstance(device, str) and device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -146,8 +172,13 @@ class LLM:
         kv_cache_dtype: str = "auto",
         calculate_kv_scales: bool = False,
         max_logprobs: int = 20,
+        enable_chunked_prefill: bool | None = None,
+        tokenizer_mode: str = "auto",
+        task: str = "auto",
+        disable_log_stats: bool = True,
     ) -> None:
         _check_engine_args(model, trust_remote_code, quantization)
+        _check_vllm_args(enable_chunked_prefill, tokenizer_mode, task, disable_log_stats)
         self._workers: TPWorkers | None = None
         self.config = EngineConfig(
             max_num_seqs=max_num_seqs,
@@ -209,7 +240,9 @@ class LLM:
                 f"tokenizer must be a path (str or os.PathLike) or None, "
                 f"got {type(tokenizer).__name__}"
             )
-        self.tokenizer = self._load_tokenizer(Path(tokenizer) if tokenizer else self.model_dir)
+        self.tokenizer = self._load_tokenizer(
+            Path(tokenizer) if tokenizer else self.model_dir, use_fast=tokenizer_mode == "auto"
+        )
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         tok_eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
         if tok_eos is not None:
@@ -290,6 +323,7 @@ class LLM:
         # One call at a time: the engine, the tokenizer and the seed stream are shared.
         self._lock = threading.Lock()
         self._lock_owner: int | None = None
+        self._profiler: torch.profiler.profile | None = None
 
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[None]:
@@ -307,6 +341,41 @@ class LLM:
             finally:
                 self._lock_owner = None
 
+    def start_profile(self, profile_dir: str | os.PathLike | None = None) -> None:
+        """Start torch's profiler (CPU and, on CUDA, GPU activity) over the calls that follow,
+        until stop_profile() writes its Chrome trace to profile_dir (default: the
+        NANOPAGED_TORCH_PROFILER_DIR or VLLM_TORCH_PROFILER_DIR environment variable)."""
+        if self._profiler is not None:
+            raise RuntimeError("the profiler is already running: call stop_profile() first")
+        profile_dir = (
+            profile_dir
+            or os.environ.get("NANOPAGED_TORCH_PROFILER_DIR")
+            or os.environ.get("VLLM_TORCH_PROFILER_DIR")
+        )
+        if not profile_dir:
+            raise ValueError(
+                "start_profile needs a directory for the trace: pass profile_dir=, or set "
+                "NANOPAGED_TORCH_PROFILER_DIR (or VLLM_TORCH_PROFILER_DIR)"
+            )
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profile_dir = Path(profile_dir)
+        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+        self._profiler.start()
+
+    def stop_profile(self) -> Path:
+        """Stop the profiler start_profile() started; returns the Chrome trace file it wrote
+        (open it in Perfetto or chrome://tracing)."""
+        if self._profiler is None:
+            raise RuntimeError("the profiler is not running: call start_profile() first")
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+        self._profile_dir.mkdir(parents=True, exist_ok=True)
+        trace = self._profile_dir / f"nanopaged_trace_{os.getpid()}_{self._request_counter}.json"
+        profiler.export_chrome_trace(str(trace))
+        return trace
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any; the LLM cannot generate afterwards."""
         if self._workers is not None:
@@ -319,7 +388,7 @@ class LLM:
         self.shutdown()
 
     @staticmethod
-    def _load_tokenizer(path: Path):
+    def _load_tokenizer(path: Path, use_fast: bool = True):
         if not path.exists():
             raise FileNotFoundError(f"tokenizer path {str(path)!r} does not exist")
         if path.is_dir() and not any((path / f).exists() for f in _TOKENIZER_FILES):
@@ -329,7 +398,7 @@ class LLM:
         try:
             # Local files only, and never code shipped beside the model (auto_map).
             return AutoTokenizer.from_pretrained(
-                str(path), trust_remote_code=False, local_files_only=True
+                str(path), trust_remote_code=False, local_files_only=True, use_fast=use_fast
             )
         except (OSError, ValueError) as e:
             raise ValueError(
@@ -623,8 +692,9 @@ class LLM:
             self._with_max_tokens(p, len(prompt_ids)) for prompt_ids, p in zip(token_lists, params)
         ]
         for i, (prompt_ids, p) in enumerate(zip(token_lists, params)):
-            what = f"sampling_params n={p.n}"
-            self._check_group_fits(len(prompt_ids), p.n, p.max_tokens, what, i)
+            width = p.best_of or p.n
+            what = f"sampling_params {'n' if width == p.n else 'best_of'}={width}"
+            self._check_group_fits(len(prompt_ids), width, p.max_tokens, what, i)
         return params
 
     def _generate(
@@ -649,6 +719,9 @@ class LLM:
         """Run checked requests; yields (index, final output) as each finishes."""
         groups: list[SequenceGroup] = []
         for prompt_ids, p in zip(token_lists, params):
+            if (p.best_of or p.n) > p.n and p.logprobs is None:
+                # best_of ranks the samples by cumulative_logprob, which logprobs=0 sets
+                p = dataclasses.replace(p, logprobs=0)
             seq = Sequence(prompt_ids, p, request_id=str(self._request_counter))
             self._request_counter += 1
             if p.seed is not None:
@@ -662,8 +735,8 @@ class LLM:
         decoder = self._token_decoder()
         for group in self.engine.run_iter(groups, use_tqdm):
             i = index[id(group)]
-            out = self._request_output(group, prompt_list[i], decoder)
             p = params[i]
+            out = self._request_output(group, prompt_list[i], decoder, p)
             if p.prompt_logprobs is not None:
                 entries, ranks = compute_prompt_logprobs(
                     self.runner, token_lists[i], p.prompt_logprobs
@@ -787,14 +860,15 @@ class LLM:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def _completion(self, seq: Sequence, decoder: TokenDecoder | None) -> CompletionOutput:
-        p = seq.sampling_params
+    def _completion(
+        self, seq: Sequence, decoder: TokenDecoder | None, p: SamplingParams, index: int
+    ) -> CompletionOutput:
         text = getattr(seq, "text", None)
         if text is None:
             text = self._decode(seq.output_token_ids, p.skip_special_tokens)
         with_logprobs = p.logprobs is not None
         return CompletionOutput(
-            index=seq.index,
+            index=index,
             text=text,
             token_ids=seq.output_token_ids,
             cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
@@ -804,16 +878,23 @@ class LLM:
         )
 
     def _request_output(
-        self, group: SequenceGroup, prompt: PromptType, decoder: TokenDecoder | None
+        self,
+        group: SequenceGroup,
+        prompt: PromptType,
+        decoder: TokenDecoder | None,
+        p: SamplingParams,
     ) -> RequestOutput:
-        first = min(group.seqs, key=lambda s: s.index)
+        """The group's RequestOutput for the request's own params p: its n samples in order,
+        or with best_of, the n of highest cumulative logprob, best first."""
+        seqs = sorted(group.seqs, key=lambda s: s.index)
+        first = seqs[0]
+        if len(seqs) > p.n:
+            seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: p.n]
         return RequestOutput(
             request_id=group.request_id,
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=first.token_ids[: first.num_prompt_tokens],
-            outputs=[
-                self._completion(s, decoder) for s in sorted(group.seqs, key=lambda s: s.index)
-            ],
+            outputs=[self._completion(s, decoder, p, j) for j, s in enumerate(seqs)],
             finished=group.is_finished,
             num_cached_tokens=first.num_cached_tokens,
         )

@@ -26,6 +26,8 @@ class SamplingParams:
     """How to sample one request (vLLM's names and defaults).
 
     n: independent samples of the prompt (prefilled once; the samples share its KV blocks).
+    best_of: draw this many samples (>= n; None: n) and return the n of highest
+    cumulative_logprob, best first (vLLM's best_of).
     logprobs: per generated token, the top-`logprobs` logprobs plus the sampled token's, from
     the model's raw distribution (log_softmax of the logits before penalties, temperature and
     top-k/p/min-p: vLLM's default "raw_logprobs"); also sets cumulative_logprob. None: neither.
@@ -41,6 +43,7 @@ class SamplingParams:
     allowed_token_ids (the only tokens that may be sampled) act on the logits before the
     penalties; logprobs stay those of the raw distribution.
     truncate_prompt_tokens: keep only the last k prompt tokens (-1: the last max_model_len).
+    extra_args: a dict kept on the params for the caller's own use; nanopaged reads nothing in it.
     """
 
     n: int = 1
@@ -65,6 +68,8 @@ class SamplingParams:
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    best_of: int | None = None
+    extra_args: dict | None = None
 
     def __post_init__(self) -> None:
         for name in ("n", "top_k", "min_tokens"):
@@ -75,6 +80,14 @@ class SamplingParams:
             _check_number(name, getattr(self, name))
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of)
+            if self.best_of < self.n:
+                raise ValueError(f"best_of must be >= n ({self.n}) or None, got {self.best_of}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise TypeError(
+                f"extra_args must be a dict or None, got {type(self.extra_args).__name__}"
+            )
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(
                 f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature}"

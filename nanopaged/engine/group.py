@@ -46,7 +46,8 @@ class SequenceGroup:
         seq.group = self
         seq.index = 0
         # How many sequences the first sampled token forks the prompt into.
-        self.num_samples = 1 if beam_params is not None else self.sampling_params.n
+        p = self.sampling_params
+        self.num_samples = 1 if beam_params is not None else (p.best_of or p.n)
         self.forked = self.num_samples == 1
         self.completed_beams: list[BeamHypothesis] = []
         self.beams_done = False

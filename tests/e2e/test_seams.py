@@ -133,3 +133,24 @@ def test_caller_objects_stay_collectable(model_dir):
     del held
     gc.collect()
     assert ref() is None
+
+
+def test_best_of_returns_the_n_most_likely_samples(llm):
+    prompt = [[4, 8, 15, 16]]
+    every = llm.generate(prompt, SamplingParams(n=5, temperature=1.0, seed=3, max_tokens=10,
+                                                logprobs=0), use_tqdm=False)[0]  # fmt: skip
+    ranked = sorted(every.outputs, key=lambda c: -c.cumulative_logprob)
+    p = SamplingParams(n=2, best_of=5, temperature=1.0, seed=3, max_tokens=10)
+    best = llm.generate(prompt, p, use_tqdm=False)[0]
+    assert [c.token_ids for c in best.outputs] == [c.token_ids for c in ranked[:2]]
+    assert [c.index for c in best.outputs] == [0, 1]
+    assert all(c.logprobs is None and c.cumulative_logprob is None for c in best.outputs)
+    p = SamplingParams(n=2, best_of=5, temperature=1.0, seed=3, max_tokens=10, logprobs=1)
+    with_lp = llm.generate(prompt, p, use_tqdm=False)[0]
+    assert [c.cumulative_logprob for c in with_lp.outputs] == [
+        c.cumulative_logprob for c in ranked[:2]
+    ]
+    assert p.extra_args is None and SamplingParams(extra_args={"k": 1}).extra_args == {"k": 1}
+    with pytest.raises(ValueError, match=r"best_of must be >= n \(3\) or None, got 2"):
+        SamplingParams(n=3, best_of=2)
+    _assert_idle(llm)

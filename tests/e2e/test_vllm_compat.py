@@ -263,3 +263,53 @@ def test_fp8_kv_cache_with_calculated_scales(model_dir):
     assert runner.kv_cache.dtype == torch.float8_e4m3fn
     assert (runner.kv_scales != 1.0).all()  # calculated from the first pass
     assert len(ns["outputs"][0].outputs[0].token_ids) == 8
+
+
+PROFILING = """
+import os
+from vllm import LLM, SamplingParams
+from vllm.distributed import cleanup_dist_env_and_memory
+
+os.environ["VLLM_TORCH_PROFILER_DIR"] = PROFILE_DIR
+llm = LLM(model=MODEL, enable_chunked_prefill=True, disable_log_stats=False, task="generate",
+          tokenizer_mode="auto", max_model_len=256)
+llm.start_profile()
+outputs = llm.generate(["The future of AI is"] * 4, SamplingParams(temperature=0.8, seed=1,
+                                                                    max_tokens=8))
+llm.stop_profile()
+texts = [o.outputs[0].text for o in outputs]
+del llm
+cleanup_dist_env_and_memory()
+"""
+
+
+def test_profiling_and_accepted_engine_arguments(model_dir, tmp_path, monkeypatch):
+    from nanopaged import LLM, SamplingParams
+
+    profile_dir = tmp_path / "profile"
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
+    ns = run_vllm_script(PROFILING.replace("PROFILE_DIR", repr(str(profile_dir))), model_dir)
+    assert len(ns["texts"]) == 4
+    traces = list(profile_dir.glob("*.json"))
+    assert len(traces) == 1
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    assert any("aten::" in str(e.get("name", "")) for e in events)  # the forward ran inside
+    for kwargs, match in [
+        (dict(enable_chunked_prefill=False), "enable_chunked_prefill must be True or None"),
+        (dict(task="embed"), "task must be 'auto' or 'generate'"),
+        (dict(tokenizer_mode="mistral"), "tokenizer_mode must be 'auto'"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            LLM(str(model_dir), **kwargs)
+    # "slow" asks for the Python tokenizer where the model ships one (this one ships only
+    # tokenizer.json, so transformers keeps the fast one): the same text either way.
+    llm = LLM(str(model_dir), tokenizer_mode="slow", kv_cache_memory=1 << 20)
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    auto = LLM(str(model_dir), kv_cache_memory=1 << 20)
+    assert (llm.generate("abc", greedy, use_tqdm=False)[0].outputs[0].text
+            == auto.generate("abc", greedy, use_tqdm=False)[0].outputs[0].text)  # fmt: skip
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
+    with pytest.raises(ValueError, match="start_profile needs a directory"):
+        llm.start_profile()
+    with pytest.raises(RuntimeError, match="the profiler is not running"):
+        llm.stop_profile()
