@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import xxhash
 
+from nanopaged.config import ModelConfig
 from nanopaged.gguf_moe import (
     MOE_ARCHITECTURES,
     check_moe_tensors,
@@ -247,6 +248,8 @@ def _convert_into(path: Path, out: Path, dtype: torch.dtype = torch.float32) -> 
     config = _build_config(arch, meta, tensors)
     if arch in MOE_ARCHITECTURES:
         check_moe_tensors(arch, tensors, config, path.name)
+    # The checks the engine makes on loading, made before the slow part (dequantizing).
+    ModelConfig.from_hf_config(config, f"the config converted from {path}")
 
     weights: dict[str, np.ndarray] = {}
     for name, tensor in tensors.items():
@@ -259,9 +262,9 @@ def _convert_into(path: Path, out: Path, dtype: torch.dtype = torch.float32) -> 
                 f"cannot read tensor {name!r} of GGUF file {path}: truncated or corrupted ({e})"
             ) from e
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = _unpermute_rows(w, config["num_attention_heads"])
+            w = _unpermute_rows(w, config["num_attention_heads"], name, path)
         elif arch == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = _unpermute_rows(w, config["num_key_value_heads"])
+            w = _unpermute_rows(w, config["num_key_value_heads"], name, path)
         for hf_name, hf_w in split_experts(_hf_name(name, arch), w):
             weights[hf_name] = np.ascontiguousarray(hf_w, dtype=np.float32)
     _fill_missing_biases(arch, weights, config)
@@ -351,7 +354,7 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
     return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
-def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+def _unpermute_rows(w: np.ndarray, num_heads: int, name: str, path: Path) -> np.ndarray:
     """Undo llama.cpp's Q/K row order for the `llama` architecture.
 
     llama.cpp rotates adjacent pairs (GPT-J style), HF rotates the two halves of each head
@@ -359,7 +362,11 @@ def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     is HF row h * head_dim/2 + j. Swapping the two axes back restores the HF order.
     """
     rows = w.shape[0]
-    assert rows % (2 * num_heads) == 0, (rows, num_heads)
+    if rows % (2 * num_heads):
+        raise ValueError(
+            f"tensor {name!r} of GGUF file {path} has {rows} rows, which do not split into "
+            f"{num_heads} heads of an even size"
+        )
     # w: [num_heads, head_dim // 2, 2, ...] → [num_heads, 2, head_dim // 2, ...]
     heads = w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
     return heads.swapaxes(1, 2).reshape(w.shape)
