@@ -400,10 +400,10 @@ class LLM:
             return AutoTokenizer.from_pretrained(
                 str(path), trust_remote_code=False, local_files_only=True, use_fast=use_fast
             )
-        except (OSError, ValueError) as e:
+        except Exception as e:  # transformers raises its own and huggingface_hub's kinds
             raise ValueError(
                 f"cannot load the tokenizer in {path} (nanopaged never runs code from a model "
-                f"directory): {e}"
+                f"directory): {type(e).__name__}: {e}"
             ) from e
 
     # ---- input validation ----------------------------------------------------------------
