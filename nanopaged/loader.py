@@ -78,7 +78,22 @@ def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor, Pa
     for path in files:
         with _reading(path) as f:
             for name in f.keys():
-                yield name, f.get_tensor(name), path
+                tensor = f.get_tensor(name)
+                if not name.endswith(_IGNORED_SUFFIXES) and not _all_finite(tensor):
+                    raise ValueError(
+                        f"weight {name!r} in {path} holds NaN or infinite values: the "
+                        "checkpoint is damaged (every logit computed through it would be NaN)"
+                    )
+                yield name, tensor, path
+
+
+def _all_finite(tensor: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """Whether every element is finite, read in chunks (a bool mask of a whole embedding
+    would be hundreds of MB)."""
+    flat = tensor.reshape(-1)
+    return all(
+        bool(torch.isfinite(flat[i : i + chunk]).all()) for i in range(0, flat.numel(), chunk)
+    )
 
 
 def _dummy_tensors(

@@ -142,6 +142,19 @@ def test_wrong_shape_names_the_tensor_and_file(model_dir, tmp_path):
         LLM(str(path), kv_cache_memory=KV)  # fmt: skip
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weight_is_refused(model_dir, tmp_path, bad):
+    # NaN weights made every logit NaN, and the sampler emitted token 0 whatever the request
+    # allowed: refused at load, naming the tensor.
+    path = _copy(model_dir, tmp_path / "m")
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors["model.layers.0.self_attn.o_proj.weight"][3, 5] = bad
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"weight 'model.layers.0.self_attn.o_proj.weight' in "
+                       r".*model.safetensors holds NaN or infinite values"):
+        LLM(str(path), kv_cache_memory=KV)  # fmt: skip
+
+
 def test_missing_and_unexpected_tensors(model_dir, tmp_path):
     path = _copy(model_dir, tmp_path / "m")
     tensors = load_file(model_dir / "model.safetensors")
