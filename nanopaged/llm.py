@@ -22,7 +22,6 @@ from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.llm_engine import LLMEngine
 from nanopaged.engine.model_runner import ModelRunner, kv_bytes_per_block
 from nanopaged.engine.output_processor import decode_batch
-from nanopaged.engine.prompt_logprobs import compute_prompt_logprobs
 from nanopaged.engine.scheduler import Scheduler
 from nanopaged.engine.sequence import Sequence, SequenceStatus
 from nanopaged.generation_config import load_sampling_defaults, resolve_generation_config
@@ -566,10 +565,10 @@ class LLM:
             self._request_output(group, prompt, decoder)
             for group, prompt in zip(groups, prompt_list)
         ]
-        for out, prompt_ids, p in zip(outputs, token_lists, params):
+        for out, group, p in zip(outputs, groups, params):
             if p.prompt_logprobs is not None:
-                entries, ranks = compute_prompt_logprobs(self.runner, prompt_ids, p.prompt_logprobs)
-                out.prompt_logprobs = [None, *LazyLogprobs(entries, ranks, decoder)]
+                rows = group.seqs[0].prompt_logprobs  # scored by the prefill steps
+                out.prompt_logprobs = [None, *LazyLogprobs.from_rows(rows, decoder)]
         return outputs
 
     def _with_max_tokens(self, p: SamplingParams, prompt_len: int) -> SamplingParams:
