@@ -18,6 +18,7 @@ from tiny_models import make_tiny_model
 
 import nanopaged.engine.model_runner as model_runner
 from nanopaged import LLM, SamplingParams
+from nanopaged.engine import prompt_logprobs
 from nanopaged.engine.step_inputs import StepInputs
 
 LENGTHS = (1, 2, 9, 40, 100)
@@ -60,7 +61,7 @@ def _reference(hf, prompt: list[int]) -> torch.Tensor:
         return hf(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
 
 
-def _check(out, prompt: list[int], k: int | None, ref: torch.Tensor) -> None:
+def _check(out, prompt: list[int], k: int | None, ref: torch.Tensor, tol: float = 1e-4) -> None:
     """out.prompt_logprobs: None when not asked; else [None, *entries], entry j holding the
     top-k of HF's row j - 1 (ranked 1..k, best first) and prompt token j with its own rank."""
     got = out.prompt_logprobs
@@ -75,7 +76,7 @@ def _check(out, prompt: list[int], k: int | None, ref: torch.Tensor) -> None:
         assert [entry[t].rank for t in top] == list(range(1, k + 1)), j
         assert entry[token].rank == int((row > row[token]).sum()) + 1, j
         want = row[list(entry)]
-        assert [e.logprob for e in entry.values()] == pytest.approx(want.tolist(), abs=1e-4), j
+        assert [e.logprob for e in entry.values()] == pytest.approx(want.tolist(), abs=tol), j
 
 
 def _asked(params: list[SamplingParams], prompts: list[list[int]]) -> int:
@@ -89,13 +90,20 @@ def _asked(params: list[SamplingParams], prompts: list[list[int]]) -> int:
         dict(),
         dict(max_num_batched_tokens=16),  # 40- and 100-token prompts prefill in chunks
         dict(max_num_batched_tokens=24, async_scheduling=True),  # steps planned ahead
+        dict(rows_per_chunk=5),  # a step's prompt rows are scored 5 at a time
     ],
-    ids=["one-step", "chunked", "async"],
+    ids=["one-step", "chunked", "async", "row-chunks"],
 )
-def test_prompt_logprobs_equal_hf(llama, hf, scored_rows, engine):
+def test_prompt_logprobs_equal_hf(llama, hf, scored_rows, monkeypatch, engine):
     """A mixed batch: prompts of several lengths asking for 0, 1, 3 and 5 top logprobs, or
     none; each position is scored once, only for the requests that ask."""
-    llm = LLM(str(llama), block_size=8, kv_cache_memory=1 << 22, **engine)
+    engine = dict(engine)
+    if "rows_per_chunk" in engine:
+        rows = engine.pop("rows_per_chunk")
+        monkeypatch.setattr(prompt_logprobs, "CHUNK_BYTES", 4 * (512 + 5) * rows)
+        assert prompt_logprobs.rows_per_chunk(512, 3) == prompt_logprobs.rows_per_chunk(512, 5)
+        assert prompt_logprobs.rows_per_chunk(512, 5) == rows
+    llm = LLM(str(llama), device="cpu", block_size=8, kv_cache_memory=1 << 22, **engine)
     prompts = _prompts(LENGTHS, seed=1) + _prompts((30, 70), seed=2)
     ks = [3, 0, 1, 5, 3, None, 2]
     params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=k)
@@ -117,7 +125,7 @@ def test_prompt_logprobs_equal_hf(llama, hf, scored_rows, engine):
 def test_cached_prefix_is_computed_again_and_published(llama, hf, scored_rows):
     """A request asking for prompt logprobs takes no prefix-cache hits (it needs every
     position's logits), yet the blocks it computes serve later requests."""
-    llm = LLM(str(llama), block_size=8, kv_cache_memory=1 << 22)
+    llm = LLM(str(llama), device="cpu", block_size=8, kv_cache_memory=1 << 22)
     base, tail, fresh = _prompts((40, 13, 37), seed=3)
     greedy = SamplingParams(temperature=0, max_tokens=4)
     assert llm.generate([base], greedy, use_tqdm=False)[0].num_cached_tokens == 0
@@ -138,8 +146,8 @@ def test_preempted_requests_score_each_position_once(llama, hf, scored_rows, mod
     """A tight pool preempts groups mid-prefill and mid-decode (n = 2 samples among them):
     a recomputed prefill scores none of the positions its first pass recorded."""
     per_block = 2 * 2 * 8 * 2 * 16 * 4  # K and V, 2 layers, 8 tokens, 2 KV heads, fp32
-    llm = LLM(str(llama), block_size=8, max_model_len=128, kv_cache_memory=20 * per_block,
-              max_num_batched_tokens=32, preemption_mode=mode,
+    llm = LLM(str(llama), device="cpu", block_size=8, max_model_len=128,
+              kv_cache_memory=20 * per_block, max_num_batched_tokens=32, preemption_mode=mode,
               swap_space=64 * per_block / 2**30)  # fmt: skip
     assert llm.block_manager.num_blocks == 20
     prompts = _prompts((40, 60, 50, 30, 45), seed=4)
@@ -159,7 +167,7 @@ def test_preempted_requests_score_each_position_once(llama, hf, scored_rows, mod
 def test_parallel_samples_score_the_prompt_once(llama, hf, scored_rows):
     prompt = _prompts((33,), seed=6)[0]
     p = SamplingParams(n=4, temperature=1.0, seed=2, max_tokens=8, prompt_logprobs=3)
-    llm = LLM(str(llama), block_size=8, kv_cache_memory=1 << 22)
+    llm = LLM(str(llama), device="cpu", block_size=8, kv_cache_memory=1 << 22)
     (out,) = llm.generate([prompt], p, use_tqdm=False)
     assert len(out.outputs) == 4 and len({tuple(c.token_ids) for c in out.outputs}) > 1
     _check(out, prompt, 3, _reference(hf, prompt))
@@ -188,11 +196,11 @@ import json, sys
 from nanopaged import LLM, SamplingParams
 
 if __name__ == "__main__":
-    path, prompts, ks = json.loads(sys.argv[1])
+    path, device, prompts, ks = json.loads(sys.argv[1])
     params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=k)
               for k in ks]
-    with LLM(path, tensor_parallel_size=2, block_size=8, max_num_batched_tokens=24,
-             kv_cache_memory=1 << 22, async_scheduling=True) as llm:
+    with LLM(path, device=device, dtype="float32", tensor_parallel_size=2, block_size=8,
+             max_num_batched_tokens=24, kv_cache_memory=1 << 22, async_scheduling=True) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
     print(json.dumps([
         None if o.prompt_logprobs is None else
@@ -208,10 +216,15 @@ def _entries(out) -> list | None:
     return [[[t, lp.logprob, lp.rank] for t, lp in e.items()] for e in out.prompt_logprobs[1:]]
 
 
-def test_tensor_parallel_prompt_logprobs_equal_one_rank(llama, tmp_path):
-    """tensor_parallel_size=2 (gloo): every rank runs the prompt rows' logits (a collective
-    gather each chunk), so nothing waits forever; the entries equal a single rank's. Run in
-    a child process under a timeout, so a hang fails the test instead of the run."""
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, TWO_GPUS])])
+def test_tensor_parallel_prompt_logprobs_equal_one_rank(llama, tmp_path, device):
+    """tensor_parallel_size=2 (gloo on CPU): every rank runs the prompt rows' logits (a
+    collective gather each chunk), so nothing waits forever; the entries equal a single
+    rank's. Run in a child process under a timeout, so a hang fails the test instead of the
+    run."""
     prompts = _prompts((40, 9, 1, 70), seed=7)
     ks = [2, None, 1, 4]
     script = tmp_path / "tp.py"
@@ -219,7 +232,7 @@ def test_tensor_parallel_prompt_logprobs_equal_one_rank(llama, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     try:
         run = subprocess.run(
-            [sys.executable, str(script), json.dumps([str(llama), prompts, ks])],
+            [sys.executable, str(script), json.dumps([str(llama), device, prompts, ks])],
             capture_output=True, text=True, timeout=150, env=env,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
@@ -228,16 +241,18 @@ def test_tensor_parallel_prompt_logprobs_equal_one_rank(llama, tmp_path):
     got = json.loads(run.stdout.strip().splitlines()[-1])
     params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=k)
               for k in ks]  # fmt: skip
-    one = LLM(str(llama), block_size=8, max_num_batched_tokens=24, kv_cache_memory=1 << 22)
+    one = LLM(str(llama), device=device, dtype="float32", block_size=8,
+              max_num_batched_tokens=24, kv_cache_memory=1 << 22)  # fmt: skip
     want = [_entries(o) for o in one.generate(prompts, params, use_tqdm=False)]
     assert [g is None for g in got] == [k is None for k in ks]
+    tol = 1e-4 if device == "cpu" else 1e-3
     for g, w in zip(got, want):
         if w is None:
             continue
         assert len(g) == len(w)
         for ge, we in zip(g, w):
             assert [[t, r] for t, _, r in ge] == [[t, r] for t, _, r in we]
-            assert [lp for _, lp, _ in ge] == pytest.approx([lp for _, lp, _ in we], abs=1e-4)
+            assert [lp for _, lp, _ in ge] == pytest.approx([lp for _, lp, _ in we], abs=tol)
 
 
 @pytest.mark.gpu
@@ -254,5 +269,5 @@ def test_gpu_prompt_logprobs_equal_hf(llama, hf, scored_rows):
               for k in ks]  # fmt: skip
     outs = llm.generate(prompts, params, use_tqdm=False)
     for out, prompt, k in zip(outs, prompts, ks):
-        _check(out, prompt, k, _reference(hf, prompt))
+        _check(out, prompt, k, _reference(hf, prompt), tol=1e-3)
     assert sum(scored_rows) == _asked(params, prompts)
