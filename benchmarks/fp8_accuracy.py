@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.engine.prompt_logprobs import compute_prompt_logprobs
 
 TEXT = Path(__file__).resolve().parent / "fp8_accuracy_text.txt"
 FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -40,11 +39,12 @@ def teacher_forced(llm: LLM, sequences: list[list[int]]) -> tuple[list[int], lis
     logprob of the true next token."""
     top1: list[int] = []
     logprobs: list[float] = []
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     for ids in sequences:
-        entries, ranks = compute_prompt_logprobs(llm.runner, ids, 1)
-        for j, (entry, rank) in enumerate(zip(entries, ranks)):
-            top1.append(next(t for t, r in rank.items() if r == 1))
-            logprobs.append(entry[ids[j + 1]])
+        (out,) = llm.generate([ids], params, use_tqdm=False)
+        for j, entry in enumerate(out.prompt_logprobs[1:]):
+            top1.append(next(t for t, lp in entry.items() if lp.rank == 1))
+            logprobs.append(entry[ids[j + 1]].logprob)
     return top1, logprobs
 
 
@@ -79,7 +79,7 @@ def rounded_kv(llm: LLM, dtype: torch.dtype, sequences: list[list[int]],
 
 def calculate_scales(llm: LLM, sequences: list[list[int]]) -> None:
     """Let an engine made with calculate_kv_scales=True set its scales from a first request:
-    the first sequence less its last token (prompt logprobs' own pass does not calculate)."""
+    the first sequence less its last token, before teacher_forced's requests."""
     first = sequences[0][:-1]
     llm.generate([first], SamplingParams(max_tokens=1), use_tqdm=False)
     assert llm.runner.first_kv_pass is None

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -74,10 +77,25 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
+        """The model directory's config.json, checked (see from_hf_config), with the
+        eos_token_id of its generation_config.json when that file sets one."""
         path = model_dir / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model directory {model_dir}")
-        cfg = _read_json_object(path)
+        config = cls.from_hf_config(_read_json_object(path), path)
+        gen_path = model_dir / "generation_config.json"
+        if gen_path.is_file():
+            gen = _read_json_object(gen_path)
+            if "eos_token_id" in gen:
+                eos_ids = _eos_ids(gen["eos_token_id"], gen_path, config.vocab_size)
+                config = dataclasses.replace(config, eos_token_ids=eos_ids)
+        return config
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, path: Path | str) -> ModelConfig:
+        """A Hugging Face config.json's dict, every field the decoder reads checked for type
+        and range, and every feature it does not implement refused (ValueError naming the
+        field, `path` and what is allowed), before any weight is read."""
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -85,81 +103,216 @@ class ModelConfig:
                 f"unsupported architecture {archs or cfg.get('model_type')!r} in {path}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads")  # fmt: skip
-        missing = [k for k in required if not isinstance(cfg.get(k), int)]
+        quant = cfg.get("quantization_config")
+        if quant is not None:
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise ValueError(
+                f"{path} describes a quantized checkpoint (quantization_config: {method!r}); "
+                "quantized formats are not supported yet: use a float16, bfloat16 or float32 "
+                "checkpoint, or a GGUF file"
+            )
+        f = _Fields(cfg, path)
+        missing = [k for k in _REQUIRED_SIZES if cfg.get(k) is None]
         if missing:
             raise ValueError(f"{path} lacks integer {', '.join(missing)}")
-        num_heads = cfg["num_attention_heads"]
-        rope = dict(cfg.get("rope_parameters") or {})
-        legacy_scaling = cfg.get("rope_scaling") or {}
-        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-        scaling = {**legacy_scaling, **rope}
-        if "type" in scaling and "rope_type" not in scaling:
-            scaling["rope_type"] = scaling["type"]
-        scaling.pop("rope_theta", None)
-        if scaling.get("rope_type", "default") == "default":
-            scaling = None
-        vocab_size = cfg["vocab_size"]
-        eos_ids = _eos_ids(cfg.get("eos_token_id"), path, vocab_size)
-        gen_path = model_dir / "generation_config.json"
-        if gen_path.is_file():
-            gen = _read_json_object(gen_path)
-            if "eos_token_id" in gen:
-                eos_ids = _eos_ids(gen["eos_token_id"], gen_path, vocab_size)
-        dtype_name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+        sizes = {k: f.integer(k, 1) for k in _REQUIRED_SIZES}
+        hidden, num_heads = sizes["hidden_size"], sizes["num_attention_heads"]
+        num_kv_heads = f.integer("num_key_value_heads", 1, default=num_heads)
+        if num_kv_heads > num_heads or num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_key_value_heads ({num_kv_heads}) in {path} must divide "
+                f"num_attention_heads ({num_heads})"
+            )
+        head_dim = f.integer("head_dim", 1, default=None)
+        # transformers' LlamaConfig refuses heads that do not divide hidden_size even with an
+        # explicit head_dim; the other families only need it to derive head_dim.
+        if (head_dim is None or arch == "LlamaForCausalLM") and hidden % num_heads:
+            raise ValueError(
+                f"num_attention_heads ({num_heads}) in {path} must divide hidden_size ({hidden})"
+            )
+        head_dim = head_dim or hidden // num_heads
+        if head_dim % 2:
+            raise ValueError(
+                f"head_dim ({head_dim}) in {path} must be even: rotary embeddings rotate halves"
+            )
+        f.choice("hidden_act", ("silu", "swish"), default="silu")  # the same function
+        _refuse_sliding_window(f, sizes["num_hidden_layers"])
+        rope_theta, scaling = _rope(f)
+        dtype_key = "dtype" if cfg.get("dtype") else "torch_dtype"  # transformers 5, 4
+        dtype_name = cfg.get(dtype_key) or "float32"
+        if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
+            raise ValueError(
+                f"{dtype_key} in {path} must be one of {', '.join(_CHECKPOINT_DTYPES)}, got "
+                f"{dtype_name!r} (quantized formats are not supported yet)"
+            )
         return cls(
             architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            vocab_size=sizes["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=sizes["intermediate_size"],
+            num_layers=sizes["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=f.number("rms_norm_eps", default=1e-6),
+            rope_theta=rope_theta,
             rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=_attention_bias(arch, cfg),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            max_position_embeddings=f.integer("max_position_embeddings", 1, default=4096),
+            tie_word_embeddings=f.flag("tie_word_embeddings", False),
+            attention_bias=_attention_bias(arch, f),
+            mlp_bias=f.flag("mlp_bias", False),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-            dtype=_DTYPES.get(dtype_name, torch.float32),
-            eos_token_ids=eos_ids,
-            **(_moe_fields(cfg, path, arch) if arch in _MOE_ARCHITECTURES else {}),
+            dtype=_DTYPES[dtype_name],
+            eos_token_ids=_eos_ids(cfg.get("eos_token_id"), path, sizes["vocab_size"]),
+            **(_moe_fields(f, arch) if arch in _MOE_ARCHITECTURES else {}),
         )
 
 
-def _attention_bias(arch: str, cfg: dict) -> bool:
+_REQUIRED_SIZES = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"
+)  # fmt: skip
+# The rope_scaling types layers/rotary.py implements.
+ROPE_TYPES = ("default", "llama3")
+_CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16")
+_ABSENT = object()
+
+
+class _Fields:
+    """Reads a config.json's fields, each checked: ValueError naming the field, the file and
+    the allowed values."""
+
+    def __init__(self, cfg: dict, path: Path | str) -> None:
+        self.cfg, self.path = cfg, path
+
+    def _get(self, name: str, default: object) -> object:
+        value = self.cfg.get(name, _ABSENT)
+        return default if value is _ABSENT else value
+
+    def integer(
+        self, name: str, low: int, default: object = _ABSENT, value: object = _ABSENT
+    ) -> Any:
+        """An int >= low; `default` when the field is absent or null (when one is given)."""
+        if value is _ABSENT:
+            value = self.cfg.get(name)
+            if value is None and default is not _ABSENT:
+                return default
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} in {self.path} must be an integer >= {low}, got {value!r}")
+        return value
+
+    def number(self, name: str, default: float, value: object = _ABSENT) -> float:
+        """A finite number > 0."""
+        value = self._get(name, default) if value is _ABSENT else value
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not 0 < value < math.inf
+        ):
+            raise ValueError(
+                f"{name} in {self.path} must be a finite number > 0, got {value!r}"
+            )
+        return float(value)
+
+    def flag(self, name: str, default: bool) -> bool:
+        value = self._get(name, default)
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} in {self.path} must be true or false, got {value!r}")
+        return value
+
+    def choice(
+        self, name: str, allowed: tuple[str, ...], default: str, value: object = _ABSENT
+    ) -> str:
+        value = self._get(name, default) if value is _ABSENT else value
+        if value not in allowed:
+            raise ValueError(
+                f"{name} {value!r} in {self.path} is not supported; nanopaged implements "
+                f"{', '.join(map(repr, allowed))}"
+            )
+        return value
+
+
+def _refuse_sliding_window(f: _Fields, num_layers: int) -> None:
+    """Qwen2/Qwen3 can attend over a sliding window on some layers; nanopaged attends over the
+    whole context, so a config that turns the window on is refused."""
+    layer_types = f.cfg.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types):
+            raise ValueError(
+                f"layer_types in {f.path} must list only 'full_attention' (sliding-window "
+                f"attention is not supported), got {layer_types!r}"
+            )
+        return
+    if f.flag("use_sliding_window", False):
+        first = f.integer("max_window_layers", 0, default=28)  # transformers' default
+        if first < num_layers:
+            raise ValueError(
+                f"use_sliding_window=true in {f.path} (layers {first}..{num_layers - 1}): "
+                "sliding-window attention is not supported"
+            )
+
+
+def _rope(f: _Fields) -> tuple[float, dict | None]:
+    """(rope_theta, the scaling parameters, None for plain RoPE), read as transformers 5 reads
+    them: rope_scaling (transformers 4's name) when set, else rope_parameters, whose own
+    rope_theta and partial_rotary_factor come before the top-level fields."""
+    for name in ("rope_scaling", "rope_parameters"):
+        value = f.cfg.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"{name} in {f.path} must be an object or null, got {value!r}")
+    scaling = dict(f.cfg.get("rope_scaling") or f.cfg.get("rope_parameters") or {})
+    # A top-level rope_theta is checked even where rope_parameters' own one takes precedence.
+    top_theta = f.number("rope_theta", 10000.0)
+    rope_theta = f.number("rope_theta", 10000.0, value=scaling.pop("rope_theta", top_theta))
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling["type"]
+    partial = scaling.get("partial_rotary_factor", f.cfg.get("partial_rotary_factor", 1.0))
+    if partial is not None and partial != 1.0:
+        raise ValueError(
+            f"partial_rotary_factor in {f.path} must be 1.0 (partial rotary embeddings are not "
+            f"supported), got {partial!r}"
+        )
+    rope_type = scaling.get("rope_type", "default")
+    f.choice("rope_scaling type", ROPE_TYPES, "default", value=rope_type)
+    if rope_type == "default":
+        return rope_theta, None
+    # llama3: the frequencies between the two wavelengths are blended by
+    # (context / wavelength - low) / (high - low).
+    f.number("rope_scaling factor", 0, value=scaling.get("factor"))
+    f.integer("rope_scaling original_max_position_embeddings", 1,
+              value=scaling.get("original_max_position_embeddings"))  # fmt: skip
+    low = f.number("rope_scaling low_freq_factor", 1.0, value=scaling.get("low_freq_factor", 1.0))
+    high = f.number("rope_scaling high_freq_factor", 4.0,
+                    value=scaling.get("high_freq_factor", 4.0))  # fmt: skip
+    if high <= low:
+        raise ValueError(
+            f"rope_scaling high_freq_factor ({high}) in {f.path} must exceed low_freq_factor "
+            f"({low})"
+        )
+    return rope_theta, scaling
+
+
+def _attention_bias(arch: str, f: _Fields) -> bool:
     if arch == "Qwen2ForCausalLM":
         return True
     if arch == "Qwen2MoeForCausalLM":
-        return bool(cfg.get("qkv_bias", True))  # HF's Qwen2-MoE: q/k/v biases unless told not
-    return bool(cfg.get("attention_bias", False))
+        return f.flag("qkv_bias", True)  # HF's Qwen2-MoE: q/k/v biases unless told not
+    return f.flag("attention_bias", False)
 
 
-def _moe_fields(cfg: dict, path: Path, arch: str) -> dict:
+def _moe_fields(f: _Fields, arch: str) -> dict:
     """The mixture-of-experts fields of an MoE config.json, each checked (ValueError naming it)."""
-
-    def integer(name: str, value: object, low: int) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} in {path} must be an integer >= {low}, got {value!r}")
-        return value
-
+    cfg, path = f.cfg, f.path
     # transformers 5 writes num_local_experts for Qwen3-MoE; published checkpoints num_experts.
     key = "num_experts" if "num_experts" in cfg else "num_local_experts"
-    num_experts = integer(key, cfg.get(key), 0)
-    top_k = integer("num_experts_per_tok", cfg.get("num_experts_per_tok"), 1)
+    num_experts = f.integer(key, 0)
+    top_k = f.integer("num_experts_per_tok", 1)
     if num_experts and top_k > num_experts:
         raise ValueError(
             f"num_experts_per_tok ({top_k}) in {path} exceeds {key} ({num_experts})"
         )
-    moe_size = integer("moe_intermediate_size", cfg.get("moe_intermediate_size"), 1)
-    step = integer("decoder_sparse_step", cfg.get("decoder_sparse_step", 1), 1)
-    norm = cfg.get("norm_topk_prob", False)
-    if not isinstance(norm, bool):
-        raise ValueError(f"norm_topk_prob in {path} must be true or false, got {norm!r}")
+    moe_size = f.integer("moe_intermediate_size", 1)
+    step = f.integer("decoder_sparse_step", 1, default=1)
+    norm = f.flag("norm_topk_prob", False)
     num_layers = cfg["num_hidden_layers"]
     only = cfg.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(
@@ -171,9 +324,7 @@ def _moe_fields(cfg: dict, path: Path, arch: str) -> dict:
         )
     shared = 0
     if arch == "Qwen2MoeForCausalLM":
-        shared = integer(
-            "shared_expert_intermediate_size", cfg.get("shared_expert_intermediate_size"), 0
-        )
+        shared = f.integer("shared_expert_intermediate_size", 0)
     return dict(
         num_experts=num_experts,
         num_experts_per_tok=top_k,

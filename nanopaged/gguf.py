@@ -3,11 +3,14 @@
 The engine only loads HF-style directories; a `.gguf` file is converted once into
 `<cache>/gguf/<stem>-<key>/` and reused while the file's path, size and mtime stay the same.
 An entry is built in a temp dir, gets its manifest (sizes + xxhash64) last, and is renamed into
-place atomically; an entry whose manifest does not verify is deleted and rebuilt.
+place atomically; an entry whose manifest does not verify is deleted and rebuilt. The process
+building a temp dir holds a lock on it until the rename; every load deletes the temp dirs
+nobody holds, which a killed conversion leaves behind.
 """
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import logging
@@ -21,6 +24,7 @@ import numpy as np
 import torch
 import xxhash
 
+from nanopaged.config import ModelConfig
 from nanopaged.gguf_moe import (
     MOE_ARCHITECTURES,
     check_moe_tensors,
@@ -39,7 +43,8 @@ DEFAULT_CACHE = "~/.cache/nanopaged"
 FORMAT_VERSION = 1
 MANIFEST = "nanopaged_manifest.json"
 WEIGHTS = "model.safetensors"
-# A temp build untouched this long belongs to a dead process; a live one finishes in minutes.
+# On a filesystem without flock, a temp build untouched this long is taken for a dead
+# process's; a live one finishes in minutes.
 STALE_BUILD_S = 3600.0
 
 # GGUF `general.architecture` → HF `architectures`.
@@ -149,15 +154,15 @@ def convert_gguf(gguf_path: str | os.PathLike[str], dtype: torch.dtype | None = 
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
     dtype = _cache_dtype(dtype)
     entry = cache_entry(path, dtype)
+    if entry.parent.is_dir():
+        remove_dead_builds(entry.parent)
     if entry.exists():
         if verify_entry(entry):
             return entry
         logger.warning("cache entry %s is incomplete or damaged; rebuilding it", entry)
         shutil.rmtree(entry, ignore_errors=True)
     entry.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_builds(entry)
-    # A unique temp name: a crashed build's leftover is never mistaken for an entry or reused.
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=entry.parent))
+    tmp, lock = _new_build_dir(entry)
     try:
         _convert_into(path, tmp, dtype)
         _write_manifest(tmp)
@@ -169,17 +174,59 @@ def convert_gguf(gguf_path: str | os.PathLike[str], dtype: torch.dtype | None = 
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        os.close(lock)  # only now: a cleaner never sees this build unlocked before it is gone
     return entry
 
 
-def _remove_stale_builds(entry: Path) -> None:
-    """Delete temp builds of this entry left by a crashed process (old enough to be dead)."""
-    for leftover in entry.parent.glob(f".tmp-{entry.name}-*"):
+def _new_build_dir(entry: Path) -> tuple[Path, int]:
+    """A fresh temp dir to build `entry` in (a unique name: a leftover is never mistaken for
+    an entry or reused), and a descriptor holding an exclusive flock on it. The kernel drops
+    the lock when the process dies, however it dies: that is how remove_dead_builds tells a
+    live build from a killed one's leftover, with no pid that could be reused or belong to
+    another host or container."""
+    while True:
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=entry.parent))
+        fd = os.open(tmp, os.O_RDONLY)
         try:
-            if time.time() - leftover.stat().st_mtime > STALE_BUILD_S:
-                shutil.rmtree(leftover, ignore_errors=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError:
-            pass
+            return tmp, fd  # no flock on this filesystem: cleaners go by the temp dir's age
+        # A cleaner may have taken the dir for a leftover between mkdtemp and the lock.
+        if _same_dir(fd, tmp):
+            return tmp, fd
+        os.close(fd)
+
+
+def remove_dead_builds(folder: Path) -> None:
+    """Delete the temp builds in `folder` that no live process holds: what a killed
+    conversion left (a model's size, and nothing else would ever remove it). A build being
+    written is locked by its process and kept."""
+    for tmp in folder.glob(".tmp-*"):
+        try:
+            fd = os.open(tmp, os.O_RDONLY)
+        except OSError:
+            continue  # renamed into place or removed meanwhile
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live build
+            except OSError:
+                if time.time() - os.fstat(fd).st_mtime <= STALE_BUILD_S:
+                    continue  # no flock here: only what has been left alone for long goes
+            # Holding the lock, so no live build can be renamed from this path meanwhile.
+            if _same_dir(fd, tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            os.close(fd)
+
+
+def _same_dir(fd: int, path: Path) -> bool:
+    """Whether `path` still names the directory open as `fd` (not removed, not renamed)."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except OSError:
+        return False
 
 
 def verify_entry(entry: Path) -> bool:
@@ -247,6 +294,8 @@ def _convert_into(path: Path, out: Path, dtype: torch.dtype = torch.float32) -> 
     config = _build_config(arch, meta, tensors)
     if arch in MOE_ARCHITECTURES:
         check_moe_tensors(arch, tensors, config, path.name)
+    # The checks the engine makes on loading, made before the slow part (dequantizing).
+    ModelConfig.from_hf_config(config, f"the config converted from {path}")
 
     weights: dict[str, np.ndarray] = {}
     for name, tensor in tensors.items():
@@ -259,9 +308,9 @@ def _convert_into(path: Path, out: Path, dtype: torch.dtype = torch.float32) -> 
                 f"cannot read tensor {name!r} of GGUF file {path}: truncated or corrupted ({e})"
             ) from e
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = _unpermute_rows(w, config["num_attention_heads"])
+            w = _unpermute_rows(w, config["num_attention_heads"], name, path)
         elif arch == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = _unpermute_rows(w, config["num_key_value_heads"])
+            w = _unpermute_rows(w, config["num_key_value_heads"], name, path)
         for hf_name, hf_w in split_experts(_hf_name(name, arch), w):
             weights[hf_name] = np.ascontiguousarray(hf_w, dtype=np.float32)
     _fill_missing_biases(arch, weights, config)
@@ -351,7 +400,7 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
     return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
-def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+def _unpermute_rows(w: np.ndarray, num_heads: int, name: str, path: Path) -> np.ndarray:
     """Undo llama.cpp's Q/K row order for the `llama` architecture.
 
     llama.cpp rotates adjacent pairs (GPT-J style), HF rotates the two halves of each head
@@ -359,7 +408,11 @@ def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     is HF row h * head_dim/2 + j. Swapping the two axes back restores the HF order.
     """
     rows = w.shape[0]
-    assert rows % (2 * num_heads) == 0, (rows, num_heads)
+    if rows % (2 * num_heads):
+        raise ValueError(
+            f"tensor {name!r} of GGUF file {path} has {rows} rows, which do not split into "
+            f"{num_heads} heads of an even size"
+        )
     # w: [num_heads, head_dim // 2, 2, ...] → [num_heads, 2, head_dim // 2, ...]
     heads = w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
     return heads.swapaxes(1, 2).reshape(w.shape)

@@ -22,7 +22,6 @@ from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.llm_engine import LLMEngine
 from nanopaged.engine.model_runner import ModelRunner, kv_bytes_per_block
 from nanopaged.engine.output_processor import decode_batch
-from nanopaged.engine.prompt_logprobs import compute_prompt_logprobs
 from nanopaged.engine.scheduler import Scheduler
 from nanopaged.engine.sequence import Sequence, SequenceStatus
 from nanopaged.generation_config import load_sampling_defaults, resolve_generation_config
@@ -400,10 +399,10 @@ class LLM:
             return AutoTokenizer.from_pretrained(
                 str(path), trust_remote_code=False, local_files_only=True, use_fast=use_fast
             )
-        except (OSError, ValueError) as e:
+        except Exception as e:  # transformers raises its own and huggingface_hub's kinds
             raise ValueError(
                 f"cannot load the tokenizer in {path} (nanopaged never runs code from a model "
-                f"directory): {e}"
+                f"directory): {type(e).__name__}: {e}"
             ) from e
 
     # ---- input validation ----------------------------------------------------------------
@@ -738,10 +737,8 @@ class LLM:
             p = params[i]
             out = self._request_output(group, prompt_list[i], decoder, p)
             if p.prompt_logprobs is not None:
-                entries, ranks = compute_prompt_logprobs(
-                    self.runner, token_lists[i], p.prompt_logprobs
-                )
-                out.prompt_logprobs = [None, *LazyLogprobs(entries, ranks, decoder)]
+                rows = group.seqs[0].prompt_logprobs  # scored by the prefill steps
+                out.prompt_logprobs = [None, *LazyLogprobs.from_rows(rows, decoder)]
             yield i, out
 
     def _with_max_tokens(self, p: SamplingParams, prompt_len: int) -> SamplingParams:

@@ -6,6 +6,7 @@ import math
 import re
 import zlib
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -25,6 +26,10 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "self_attn.q_scale", "self_attn.prob
 _KV_SCALE_NAME = re.compile(
     r"layers\.(\d+)\.self_attn\.(?:(k|v|kv)_scale|(k|v)_proj\.output_scale)$"
 )
+# The safetensors dtypes of float weights, which a cast to the model's dtype keeps. Any other
+# (int8, uint8, int32, bool, float8, ...) belongs to a quantized format, whose values mean
+# nothing without their scales.
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 # load_format="dummy" draws every weight from U(-r, r), as vLLM does: small enough that
 # activations stay finite through any depth.
 DUMMY_WEIGHT_RANGE = 1e-3
@@ -47,14 +52,48 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     raise ValueError(f"no *.safetensors weights found in {model_dir}")
 
 
+@contextmanager
+def _reading(path: Path) -> Iterator:
+    """The open safetensors file; a damaged one is a ValueError naming it."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise ValueError(f"cannot read weight file {path}: {e}") from e
+
+
 def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor, Path]]:
-    for path in safetensors_files(model_dir):
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name), path
-        except SafetensorError as e:
-            raise ValueError(f"cannot read weight file {path}: {e}") from e
+    files = safetensors_files(model_dir)
+    # Every file's header first: a tensor the loader would refuse costs no read of any data.
+    for path in files:
+        with _reading(path) as f:
+            for name in f.keys():
+                dtype = f.get_slice(name).get_dtype()
+                if dtype not in FLOAT_DTYPES and not name.endswith(_IGNORED_SUFFIXES):
+                    raise ValueError(
+                        f"weight {name!r} in {path} has dtype {dtype}; nanopaged loads float "
+                        f"weights ({', '.join(FLOAT_DTYPES)}) and would corrupt these by a "
+                        "cast: quantized formats are not supported yet"
+                    )
+    for path in files:
+        with _reading(path) as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                if not name.endswith(_IGNORED_SUFFIXES) and not _all_finite(tensor):
+                    raise ValueError(
+                        f"weight {name!r} in {path} holds NaN or infinite values: the "
+                        "checkpoint is damaged (every logit computed through it would be NaN)"
+                    )
+                yield name, tensor, path
+
+
+def _all_finite(tensor: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """Whether every element is finite, read in chunks (a bool mask of a whole embedding
+    would be hundreds of MB)."""
+    flat = tensor.reshape(-1)
+    return all(
+        bool(torch.isfinite(flat[i : i + chunk]).all()) for i in range(0, flat.numel(), chunk)
+    )
 
 
 def _dummy_tensors(

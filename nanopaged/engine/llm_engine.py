@@ -69,7 +69,9 @@ class LLMEngine:
     def may_run_ahead(self, batch: ScheduledBatch, handle: StepHandle) -> bool:
         """The one decision: may the next step be planned and launched before this one's
         samples reach the host? Only when its samples stay on the device (a plain step) and no
-        structural event (fork, copy-on-write, preemption, swap, beam step) needs them first."""
+        structural event (fork, copy-on-write, preemption, swap, beam step) needs them first.
+        Prompt logprobs the step scores travel with its samples and are recorded at its commit,
+        and the next step scores none of their positions: they hold nothing back."""
         return self.async_scheduling and handle.plain and self.scheduler.can_look_ahead(batch)
 
     def run(self, groups: list[SequenceGroup], use_tqdm: bool) -> None:
@@ -124,9 +126,13 @@ class LLMEngine:
                             following,
                             self.runner.launch(following, self.eos_token_ids, prev=handle),
                         )
-                    step = self.scheduler.commit(batch, handle.result(), handle.logprobs())
+                    step = self.scheduler.commit(
+                        batch, handle.result(), handle.logprobs(), handle.prompt_logprobs()
+                    )
                 else:
-                    step = self.scheduler.postprocess(batch, handle.result(), handle.logprobs())
+                    step = self.scheduler.postprocess(
+                        batch, handle.result(), handle.logprobs(), handle.prompt_logprobs()
+                    )
                 stopped = self._check_stop_strings(step.grown)
                 # Two samples of one request can both stop here: each request once.
                 done = {id(g): g for g in step.finished_groups}

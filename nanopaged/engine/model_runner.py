@@ -19,6 +19,13 @@ from nanopaged.engine.block_tables import BlockTableBuilder
 from nanopaged.engine.cuda_graph import DecodeGraphs
 from nanopaged.engine.host_memory import keep_freed_memory
 from nanopaged.engine.penalty_counts import PenaltyCounts
+from nanopaged.engine.prompt_logprobs import (
+    PROFILE_TOPK,
+    PromptLogprobRows,
+    PromptScores,
+    rows_per_chunk,
+    score_prompt_rows,
+)
 from nanopaged.engine.sample_output import SampleOutput, StepLogprobs
 from nanopaged.engine.sampling import (
     SlotSettings,
@@ -53,11 +60,13 @@ class StepHandle:
     """A launched step's samples: on the device, copying to the host, or already there.
 
     A plain step's raw logprobs (for the rows that asked for them) come back the same way, in
-    the same asynchronous copy as its tokens.
+    the same asynchronous copy as its tokens; so do the prompt logprobs of the prompt rows it
+    scored (prompt).
     """
 
     def __init__(self, outputs: list | None = None) -> None:
         self.outputs = outputs
+        self.prompt: PromptScores | None = None
         self.tokens: torch.Tensor | None = None  # [num_sampled] int64 on the device
         self._host: list[torch.Tensor] = []
         self._event: torch.cuda.Event | None = None
@@ -119,6 +128,11 @@ class StepHandle:
                 self._logprob_widths,
             )
         return self._logprobs
+
+    def prompt_logprobs(self) -> PromptLogprobRows | None:
+        """The prompt logprobs of the step's prompt rows on the host, in the order of its
+        ScheduledBatch.prompt_logprob_spans; None when it scored none."""
+        return None if self.prompt is None else self.prompt.rows()
 
 
 def _is_arange(a: np.ndarray, n: int) -> bool:
@@ -279,8 +293,8 @@ class ModelRunner:
             self.first_kv_pass = "calculate" if engine_config.calculate_kv_scales else "check"
         if workers is not None:
             # Weakly: a strong reference back to the runner would make the pair a cycle, which
-            # only the garbage collector frees (and the LLM freezes start-up's objects out of
-            # its view), keeping a dropped LLM's KV cache alive.
+            # only the garbage collector frees, keeping a dropped LLM's KV cache alive until a
+            # full collection (which a run holds off).
             workers.before_leave = weakref.WeakMethod(self.release_graphs)
 
     def release_graphs(self) -> None:
@@ -333,8 +347,8 @@ class ModelRunner:
 
     def _profile_cuda_budget(self) -> int:
         """Bytes left for KV under the utilization cap after the weights, the peak of a full
-        prefill step with its sampling (every sampling option on), and what CUDA graphs of
-        decode steps will hold."""
+        prefill step with its prompt-logprob chunk and its sampling (every sampling option on),
+        and what CUDA graphs of decode steps will hold."""
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -357,6 +371,10 @@ class ModelRunner:
         rows = min(self.config.max_num_seqs, total)
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, meta)
+            # A chunk of prompt rows scored for prompt_logprobs, as execute does beside them.
+            probe = np.arange(min(total, rows_per_chunk(c.vocab_size, PROFILE_TOPK)))
+            score_prompt_rows(self.model.compute_logits, hidden, probe, np.zeros_like(probe),
+                              np.full_like(probe, PROFILE_TOPK), c.vocab_size)  # fmt: skip
             logits = self.model.compute_logits(hidden[:rows])  # None on ranks other than 0
             if logits is not None:
                 self._profile_sampling(logits.float())
@@ -540,9 +558,12 @@ class ModelRunner:
         """The settings to sample the step inside its decode graph, or None when it samples
         outside: the one place that decides. Inside: every row of a graph-replayed decode
         step samples one plain token (no logprobs, penalties, logit controls, min_tokens
-        masking, fork or beam: needs_sample_outputs), on one GPU."""
+        masking, fork or beam: needs_sample_outputs), on one GPU, and no prompt row is scored
+        (its hidden state must leave the graph)."""
         graphs = self.graphs
         if graphs is None or not graphs.can_sample or not self._graph_decode(step):
+            return None
+        if len(step.prompt_rows):
             return None
         if not _is_arange(step.logits_indices, len(step.context_lens)):
             return None
@@ -576,9 +597,23 @@ class ModelRunner:
             self.workers.publish(step)  # tensor parallel: every rank runs the same step
         sampled_seqs = [seqs[i] for i in range(len(seqs)) if batch.samples(i)]
         in_graph = self._graph_sampling(step, sampled_seqs)
-        logits = self.execute(step, prev, in_graph)
+        logits, prompt = self.execute(step, prev, in_graph)
         if self.workers is not None:
             self.workers.step_done()
+        handle = self._sampled(logits, step, sampled_seqs, in_graph, prev, eos_token_ids)
+        handle.prompt = prompt
+        return handle
+
+    def _sampled(
+        self,
+        logits: torch.Tensor | None,
+        step: StepInputs,
+        sampled_seqs: list[Sequence],
+        in_graph: SamplingTensors | None,
+        prev: StepHandle | None,
+        eos_token_ids: set[int],
+    ) -> StepHandle:
+        """The step's samples from execute's logits rows (or its token ids, sampled already)."""
         if logits is None:
             return StepHandle(outputs=[])
         if step.samples_sharded or in_graph is not None:  # sampled already: token ids
@@ -626,6 +661,9 @@ class ModelRunner:
         last = np.cumsum(batch.num_scheduled_tokens) - 1
         ids_np = np.asarray(input_ids, dtype=np.int64)
         pending_dst, pending_src = self._pending_inputs(seqs, host["cu_seqlens_q"])
+        prompt = {} if not batch.prompt_logprob_spans else self._prompt_rows(
+            batch, starts, host["cu_seqlens_q"]
+        )
         settings = None
         if self.tp.size > 1:
             sampled_seqs = [seqs[i] for i in sampling_rows]
@@ -645,17 +683,35 @@ class ModelRunner:
             pending_dst=pending_dst,
             pending_src=pending_src,
             **({} if settings is None else dict(sample_settings=settings)),
+            **prompt,
         )
+
+    @staticmethod
+    def _prompt_rows(
+        batch: ScheduledBatch, starts: list[int], cu_seqlens_q: np.ndarray
+    ) -> dict[str, np.ndarray]:
+        """StepInputs' prompt rows, from the batch's prompt_logprob_spans: the step's input
+        rows of those positions, the prompt tokens they predict, the top-k each asked for."""
+        rows, targets, topk = [], [], []
+        for i, first, end in batch.prompt_logprob_spans:
+            seq = batch.seqs[i]
+            at = int(cu_seqlens_q[i]) + first - starts[i]
+            rows.append(np.arange(at, at + end - first, dtype=np.int64))
+            targets.append(np.asarray(seq.token_ids[first + 1 : end + 1], dtype=np.int64))
+            topk.append(np.full(end - first, seq.sampling_params.prompt_logprobs, np.int64))
+        return dict(prompt_rows=np.concatenate(rows), prompt_targets=np.concatenate(targets),
+                    prompt_topk=np.concatenate(topk))  # fmt: skip
 
     @torch.inference_mode()
     def execute(
         self, step: StepInputs, prev: StepHandle | None, sampling: SamplingTensors | None = None
-    ) -> torch.Tensor | None:
-        """Block ops and the forward pass of one step, on rank 0 its logits rows to sample
-        ([rows, vocab] in the model's dtype: the sampler reads them as they are, and bf16/fp16
-        -> fp32 is exact), or the rows' sampled token ids when step.samples_sharded or with
-        sampling (from _graph_sampling: sampled inside the decode graph); None when nothing
-        samples or this rank is not rank 0."""
+    ) -> tuple[torch.Tensor | None, PromptScores | None]:
+        """Block ops and the forward pass of one step, then its prompt rows scored (every rank
+        takes part). On rank 0: its logits rows to sample ([rows, vocab] in the model's dtype:
+        the sampler reads them as they are, and bf16/fp16 -> fp32 is exact), or the rows'
+        sampled token ids when step.samples_sharded or with sampling (from _graph_sampling:
+        sampled inside the decode graph), None when nothing samples; and the prompt rows'
+        results (None without any). Other ranks get (None, None)."""
         # Swaps and copy-on-write copies go before the forward (and outside any CUDA graph).
         run_block_ops(
             self.kv_cache,
@@ -676,7 +732,7 @@ class ModelRunner:
                 sampling=sampling,
             )
             if sampling is not None:
-                return hidden  # token ids
+                return hidden, None  # token ids; no prompt row (see _graph_sampling)
         else:
             positions, meta = self._device_metadata(
                 dict(positions=step.positions, slots=step.slots, tables=step.tables,
@@ -695,8 +751,11 @@ class ModelRunner:
             self.first_kv_pass = None
             if meta.first_kv_pass == "check":
                 self._warn_past_kv_range()
+        prompt = score_prompt_rows(self.model.compute_logits, hidden, step.prompt_rows,
+                                   step.prompt_targets, step.prompt_topk,
+                                   self.model_config.vocab_size)  # fmt: skip
         if not len(step.logits_indices):
-            return None
+            return None, prompt
         if not _is_arange(step.logits_indices, len(hidden)):  # else every row samples, in order
             # A plain torch.tensor(..., device=cuda) would wait for the device: copy
             # asynchronously.
@@ -704,8 +763,8 @@ class ModelRunner:
             hidden = hidden.index_select(0, rows)
         if step.samples_sharded:
             local, vocab_start = self.model.compute_local_logits(hidden)
-            return sample_shards(local, vocab_start, step.sample_settings, self.tp)
-        return self.model.compute_logits(hidden)
+            return sample_shards(local, vocab_start, step.sample_settings, self.tp), prompt
+        return self.model.compute_logits(hidden), prompt
 
     def _warn_past_kv_range(self) -> None:
         """After the first forward pass over an 8-bit cache with fixed scales: warn, once,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nanopaged.config import PREEMPTION_MODES
 from nanopaged.engine.beam import beam_search_step, finalize_beams
@@ -12,6 +13,9 @@ from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.sample_output import SampleOutput, StepLogprobs
 from nanopaged.engine.sequence import Sequence, SequenceStatus
 
+if TYPE_CHECKING:
+    from nanopaged.engine.prompt_logprobs import PromptLogprobRows
+
 # Stands for a sampled token that is still on the device (asynchronous scheduling).
 
 
@@ -19,6 +23,10 @@ from nanopaged.engine.sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     """The sequences of one step, how many of their tokens to compute now, and the block moves
     (swap out, swap in, copy-on-write) the runner makes before the forward pass, in that order.
+
+    prompt_logprob_spans: (i, first, end) for each sequence i of the step that scores prompt
+    positions first..end-1 now (their logits rows predict prompt tokens first+1..end), for
+    prompt_logprobs; see prompt_logprob_spans.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
@@ -26,6 +34,7 @@ class ScheduledBatch:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst)
+    prompt_logprob_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -38,6 +47,25 @@ class ScheduledBatch:
         """Whether seq i reaches its last token this step, so it gets a new token sampled."""
         seq = self.seqs[i]
         return seq.num_computed_tokens + self.num_scheduled_tokens[i] == len(seq)
+
+
+def prompt_logprob_spans(batch: ScheduledBatch) -> list[tuple[int, int, int]]:
+    """(i, first, end) for each sequence i that scores prompt positions first..end-1 in this
+    step: its scheduled positions whose next token is a prompt token and whose logprobs no
+    step recorded before (a recomputed prefill scores only what its first pass did not; a
+    step planned before its predecessor's samples cannot hold prompt positions of a sequence
+    that predecessor scored, whose computed tokens are past them)."""
+    spans = []
+    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_scheduled_tokens)):
+        if not seq.wants_prompt_logprobs:
+            continue
+        start = seq.num_computed_tokens
+        first = max(start, len(seq.prompt_logprobs))
+        end = min(start + n, seq.num_prompt_tokens - 1)
+        if first < end:
+            assert len(seq.prompt_logprobs) >= start, "no prompt position goes unscored"
+            spans.append((i, first, end))
+    return spans
 
 
 def decodes_first(batch: ScheduledBatch) -> None:
@@ -248,6 +276,7 @@ class Scheduler:
         self.num_steps += bool(batch.seqs)
         if batch.total_tokens != len(batch.seqs):
             decodes_first(batch)
+        batch.prompt_logprob_spans = prompt_logprob_spans(batch)
         return batch
 
     def _admit(self, group: SequenceGroup, budget: int, batch: ScheduledBatch) -> int | None:
@@ -255,7 +284,7 @@ class Scheduler:
         returns the tokens scheduled, or None when the group does not fit."""
         bm = self.block_manager
         seqs = group.seqs_with_status(SequenceStatus.WAITING)
-        cached = [bm.get_computed_blocks(s) for s in seqs]
+        cached = [self._cache_hits(s) for s in seqs]
         remaining = [len(s) - len(c) * bm.block_size for s, c in zip(seqs, cached)]
         counts = self._plan(remaining, budget)
         if sum(counts) == 0:
@@ -271,20 +300,33 @@ class Scheduler:
                 batch.num_scheduled_tokens.append(n)
         return sum(counts)
 
+    def _cache_hits(self, seq: Sequence) -> list[int]:
+        """seq's prefix-cache hits. A sequence with prompt logprobs still to score computes
+        those positions (it needs their logits), so it takes no hit covering one; the blocks
+        it computes are published for others all the same."""
+        bm = self.block_manager
+        hits = bm.get_computed_blocks(seq)
+        if seq.wants_prompt_logprobs:
+            hits = hits[: len(seq.prompt_logprobs) // bm.block_size]
+        return hits
+
     def postprocess(
         self,
         batch: ScheduledBatch,
         sampled: list[int] | list[SampleOutput],
         logprobs: StepLogprobs | None = None,
+        prompt_logprobs: PromptLogprobRows | None = None,
     ) -> StepOutput:
-        """Advance computed counts, append sampled tokens (forking and stepping beams), finish
-        sequences.
+        """Record scored prompt positions, advance computed counts, append sampled tokens
+        (forking and stepping beams), finish sequences.
 
         `sampled` holds, in batch order, a token id or a SampleOutput for each sequence of the
-        batch that samples; `logprobs`, beside plain token ids, the rows' raw logprobs.
+        batch that samples; `logprobs`, beside plain token ids, the rows' raw logprobs;
+        `prompt_logprobs`, the step's prompt rows' (its prompt_logprob_spans).
         """
         bm = self.block_manager
         step = StepOutput()
+        _record_prompt_logprobs(batch, prompt_logprobs)  # before a fork copies them
         row = 0  # of sampled (and logprobs): the next sampling sequence's
         beam_results: dict[int, list[tuple[Sequence, SampleOutput]]] = {}
         for i, seq in enumerate(batch.seqs):
@@ -380,11 +422,14 @@ class Scheduler:
         batch: ScheduledBatch,
         sampled: list[int],
         logprobs: StepLogprobs | None = None,
+        prompt_logprobs: PromptLogprobRows | None = None,
     ) -> StepOutput:
-        """Append an advanced step's sampled tokens (and their logprobs) to the sequences
-        waiting for them; finish sequences that stop. A sequence that finished while the step
-        was in flight was never given a row: its token is dropped."""
+        """Record an advanced step's scored prompt positions and append its sampled tokens
+        (and their logprobs) to the sequences waiting for them; finish sequences that stop. A
+        sequence that finished while the step was in flight was never given a row: its token
+        is dropped."""
         step = StepOutput()
+        _record_prompt_logprobs(batch, prompt_logprobs)
         for seq in batch.seqs:
             if seq.pending_row is None:
                 continue
@@ -466,6 +511,22 @@ def _reset_for_recompute(seq: Sequence) -> None:
     seq.num_registered_blocks = 0
     seq.status = SequenceStatus.WAITING
     seq.num_preemptions += 1
+
+
+def _record_prompt_logprobs(batch: ScheduledBatch, rows: PromptLogprobRows | None) -> None:
+    """Give each sequence of the batch's prompt_logprob_spans its positions' rows (kept whole
+    and read only when an output is, as a step's logprobs are)."""
+    if not batch.prompt_logprob_spans:
+        return
+    assert rows is not None, "a step with prompt logprob spans scores them"
+    at = 0
+    for i, first, end in batch.prompt_logprob_spans:
+        seq = batch.seqs[i]
+        if not seq.is_finished:
+            assert len(seq.prompt_logprobs) == first, "each position is recorded once, in order"
+            seq.prompt_logprobs.extend((rows, r) for r in range(at, at + end - first))
+        at += end - first
+    assert at == len(rows)
 
 
 def _append_logprobs(seq: Sequence, logprobs: StepLogprobs, row: int) -> None:

@@ -59,6 +59,10 @@ class Sequence:
         # output is (see LazyLogprobs.from_rows).
         self.cumulative_logprob = 0.0
         self.logprobs: list[tuple[LogprobRows, int]] = []
+        # With prompt_logprobs: per prompt position 0.., where the raw logprobs of the prompt
+        # token it predicts are kept (the scoring step's rows, its row), recorded as its prefill
+        # steps commit; once per position, whatever preemption recomputes.
+        self.prompt_logprobs: list[tuple[LogprobRows, int]] = []
         # A request's bad_words as token ids (see logits_processors.bad_words_token_ids).
         self.bad_words_token_ids: list[list[int]] = []
         # Set while this sequence's newest token is a sample still on the device (asynchronous
@@ -78,6 +82,7 @@ class Sequence:
         child.block_table = []
         child.block_hashes = list(self.block_hashes)
         child.logprobs = list(self.logprobs)  # references: the rows themselves are shared
+        child.prompt_logprobs = list(self.prompt_logprobs)
         child.detokenizer = None
         return child
 
@@ -91,6 +96,14 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether prompt positions whose logprobs are asked for are still to be scored."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def is_finished(self) -> bool:

@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# num_tokens, batch, table width, logits rows, swap outs, swap ins, copies, pending, shard rows
-_HEADER = 9
+# num_tokens, batch, table width, logits rows, swap outs, swap ins, copies, pending, shard rows,
+# prompt rows
+_HEADER = 10
 
 
 @dataclass
@@ -17,7 +18,10 @@ class StepInputs:
     Block ops are (src, dst) block pairs run before the forward pass; pending_dst are the input
     positions whose ids come from the previous step's samples on the device (rows pending_src).
     sample_settings, when it has columns (one per logits row), says the ranks sample their
-    vocabulary shards themselves (nanopaged.distributed.sharded_sampling).
+    vocabulary shards themselves (nanopaged.distributed.sharded_sampling). prompt_rows are the
+    rows of the hidden states whose logits score the prompt token in prompt_targets, with the
+    top prompt_topk logprobs (prompt_logprobs): every rank runs their logits, in the same
+    chunks (nanopaged.engine.prompt_logprobs).
     """
 
     input_ids: np.ndarray  # [num_tokens] int64
@@ -34,6 +38,9 @@ class StepInputs:
     pending_src: np.ndarray  # [num_pending] int64
     # [3, num_sampled or 0] int64: temperature bits, seed, output position (settings_array)
     sample_settings: np.ndarray = field(default_factory=lambda: np.zeros((3, 0), np.int64))
+    prompt_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [num_prompt]
+    prompt_targets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    prompt_topk: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     @property
     def samples_sharded(self) -> bool:
@@ -46,18 +53,19 @@ class StepInputs:
         header = np.array(
             [len(self.input_ids), len(self.context_lens), self.tables.shape[1],
              len(self.logits_indices), *(len(p) for p in pairs), len(self.pending_dst),
-             self.sample_settings.shape[1]],
+             self.sample_settings.shape[1], len(self.prompt_rows)],
             dtype=np.int64,
         )  # fmt: skip
         parts = [header, self.input_ids, self.positions, self.slots, self.tables.ravel(),
                  self.context_lens, self.cu_seqlens_q, self.logits_indices, *pairs,
-                 self.pending_dst, self.pending_src, self.sample_settings]  # fmt: skip
+                 self.pending_dst, self.pending_src, self.sample_settings, self.prompt_rows,
+                 self.prompt_targets, self.prompt_topk]  # fmt: skip
         return np.concatenate([np.asarray(p, dtype=np.int64).ravel() for p in parts])
 
     @classmethod
     def unpack(cls, buf: np.ndarray) -> StepInputs:
         """The inverse of pack."""
-        tokens, batch, width, rows, n_out, n_in, n_copy, n_pending, n_shard = (
+        tokens, batch, width, rows, n_out, n_in, n_copy, n_pending, n_shard, n_prompt = (
             buf[:_HEADER].tolist()
         )
         at = _HEADER
@@ -85,4 +93,7 @@ class StepInputs:
             pending_dst=take(n_pending),
             pending_src=take(n_pending),
             sample_settings=take(3 * n_shard).reshape(3, n_shard),
+            prompt_rows=take(n_prompt),
+            prompt_targets=take(n_prompt),
+            prompt_topk=take(n_prompt),
         )

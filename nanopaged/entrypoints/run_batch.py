@@ -1,31 +1,46 @@
-"""`nanopaged run-batch`: OpenAI batch-format requests in, one result line per request out.
+"""`nanopaged run-batch`: OpenAI batch-format requests in, one result record per line out.
 
 Input lines are {"custom_id", "method": "POST", "url": "/v1/chat/completions" or
 "/v1/completions", "body": {...}} (the format of OpenAI's Batch API and `vllm run-batch`).
-Results are appended to the output file; custom_ids already there are skipped, so an
-interrupted run picks up where it stopped.
+
+Every input line gets a record: the response (status 200), or an error (status 400) when the
+line is not UTF-8 or JSON, a field is wrong, the model refuses the request (too long, too many
+logprobs), its chat template raises, or its custom_id repeats an earlier line's. The valid
+requests are served together, continuously batched over the whole file; each record is
+appended as its request finishes (so records come in finish order: match them by custom_id),
+flushed at once and fsynced at intervals.
+
+Resume: rerun the same command. custom_ids that have a status-200 record in the output are
+done and skipped; everything else is served again, error records included (fix the input or
+the options, and rerun), the new record appended after the old one: a reader keeps the LAST
+record of each custom_id. A torn last line (a kill mid-write, a full disk) is cut off before
+anything is appended.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from nanopaged.config import KV_CACHE_DTYPES
-from nanopaged.llm import LLM
+from nanopaged.inputs import TokensPrompt, check_unicode
+from nanopaged.llm import LLM, _text_parts_joined
 from nanopaged.outputs import CompletionOutput, RequestOutput
 from nanopaged.sampling_params import SamplingParams
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-# Requests handed to the engine at once; results are written after each chunk.
-CHUNK = 256
+# A kill loses nothing flushed; a power cut loses at most the records of the last interval.
+FSYNC_EVERY = 64  # records
+FSYNC_SECONDS = 5.0
 
 
 class BadRequest(ValueError):
@@ -39,7 +54,7 @@ class BatchRequest:
     custom_id: str
     url: str
     body: dict
-    params: SamplingParams = field(default_factory=SamplingParams)
+    params: SamplingParams
 
 
 # ---- parsing -------------------------------------------------------------------------------
@@ -105,16 +120,32 @@ def sampling_params_from_body(body: dict, url: str, defaults: SamplingParams) ->
         raise BadRequest(f"body: {e}") from None
 
 
-def parse_line(line: str, defaults: SamplingParams) -> BatchRequest:
-    """One input line as a BatchRequest; BadRequest names what is wrong."""
+def decode_line(raw: bytes) -> object:
+    """One input line as JSON; BadRequest names what is wrong."""
     try:
-        obj = json.loads(line)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"not valid UTF-8: byte {raw[e.start]:#04x} at offset {e.start}") from None
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise BadRequest(f"not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadRequest("not valid JSON here: nested too deeply") from None
+
+
+def custom_id_of(obj: object) -> str | None:
+    """The custom_id a decoded line names, if it names one."""
+    cid = obj.get("custom_id") if isinstance(obj, dict) else None
+    return cid if isinstance(cid, str) and cid else None
+
+
+def parse_request(obj: object, defaults: SamplingParams) -> BatchRequest:
+    """A decoded input line as a BatchRequest; BadRequest names what is wrong."""
     if not isinstance(obj, dict):
         raise BadRequest(f"a request line must be a JSON object, got {type(obj).__name__}")
-    custom_id = obj.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id:
+    custom_id = custom_id_of(obj)
+    if custom_id is None:
         raise BadRequest("custom_id must be a non-empty string")
     if obj.get("method", "POST") != "POST":
         raise BadRequest(f"method must be 'POST', got {obj.get('method')!r}")
@@ -137,24 +168,32 @@ def parse_line(line: str, defaults: SamplingParams) -> BatchRequest:
         )
         if not ok:
             raise BadRequest("body.prompt must be a string or a list of token ids")
-    return BatchRequest(custom_id, url, body, sampling_params_from_body(body, url, defaults))
+    params = sampling_params_from_body(body, url, defaults)
+    return BatchRequest(custom_id, url, body, params)
 
 
-def _custom_id_of(line: str) -> str | None:
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    cid = obj.get("custom_id") if isinstance(obj, dict) else None
-    return cid if isinstance(cid, str) else None
-
-
-def done_custom_ids(output_path: Path) -> set[str]:
-    """custom_ids that already have a result line in output_path."""
+def scan_output(output_path: Path) -> tuple[set[str], int]:
+    """The custom_ids done in output_path (those with a status-200 record), and the length in
+    bytes of its whole lines (a torn last line, if any, lies past it)."""
+    done: set[str] = set()
+    complete = 0
     if not output_path.exists():
-        return set()
-    with output_path.open() as f:
-        return {cid for cid in map(_custom_id_of, f) if cid is not None}
+        return done, complete
+    with output_path.open("rb") as f:
+        for raw in f:
+            if not raw.endswith(b"\n"):
+                break  # torn: the write of this record never finished
+            complete += len(raw)
+            try:
+                record = json.loads(raw)
+            except (ValueError, RecursionError):
+                continue  # never done: not a record we wrote whole
+            response = record.get("response") if isinstance(record, dict) else None
+            if isinstance(response, dict) and response.get("status_code") == 200:
+                cid = custom_id_of(record)
+                if cid is not None:
+                    done.add(cid)
+    return done, complete
 
 
 # ---- results -------------------------------------------------------------------------------
@@ -242,77 +281,156 @@ def _record(custom_id: str | None, status: int, body: dict | None, error: str | 
 
 
 # ---- running -------------------------------------------------------------------------------
-def _serve(llm: LLM, reqs: list[BatchRequest]) -> list[RequestOutput]:
-    """Run reqs of one url together (validation comes before any work, so a refusal is cheap)."""
-    params = [r.params for r in reqs]
-    if reqs[0].url == CHAT_URL:
-        return llm.chat([r.body["messages"] for r in reqs], params, use_tqdm=False)
-    return llm.generate([r.body["prompt"] for r in reqs], params, use_tqdm=False)
+def _chat_token_ids(llm: LLM, messages: list) -> list[int]:
+    """The prompt token ids LLM.chat makes of one conversation."""
+    conv = _text_parts_joined(messages)
+    if not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in conv
+    ):
+        raise BadRequest(
+            "body.messages must be objects with a str 'role' and a 'content' that is a str or "
+            "a list of text parts"
+        )
+    tokenizer = llm.get_tokenizer()
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise BadRequest("the model's tokenizer has no chat template; use /v1/completions")
+    try:
+        for j, m in enumerate(conv):
+            check_unicode(m["content"], f"body.messages[{j}].content")
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    try:
+        text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # the template is code run over this request's data: its error
+        raise BadRequest(f"the chat template failed on body.messages: {e}") from None
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _serve_chunk(llm: LLM, reqs: list[BatchRequest], model_name: str) -> list[dict]:
-    records: dict[int, dict] = {}
-    for url in (CHAT_URL, COMPLETIONS_URL):
-        idx = [i for i, r in enumerate(reqs) if r.url == url]
-        if not idx:
-            continue
+def checked_prompt(llm: LLM, req: BatchRequest) -> TokensPrompt:
+    """req's prompt as token ids, once the checks generate makes before any work pass for req
+    alone: a refusal is req's 400 and never stops the others."""
+    if req.url == CHAT_URL:
+        prompt = TokensPrompt(prompt_token_ids=_chat_token_ids(llm, req.body["messages"]))
+    else:
+        prompt = req.body["prompt"]
+    try:
+        _, (token_ids,), _ = llm._requests([prompt], [req.params])
+    except (ValueError, TypeError) as e:
+        raise BadRequest(str(e).replace("prompts[0]", "the prompt")) from None
+    return TokensPrompt(prompt_token_ids=token_ids)
+
+
+def read_requests(
+    llm: LLM, input_path: Path, done: set[str]
+) -> tuple[list[BatchRequest], list[TokensPrompt], list[dict], int]:
+    """The requests of input_path to serve and their checked prompts, the error records of
+    the lines that cannot be served (in input order), and how many lines are already done."""
+    defaults = llm.get_default_sampling_params()
+    first_line: dict[str, int] = {}
+    reqs: list[BatchRequest] = []
+    prompts: list[TokensPrompt] = []
+    errors: list[dict] = []
+    skipped = 0
+    # Bytes, decoded line by line: one line that is not UTF-8 is that line's error.
+    with input_path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            cid = None
+            try:
+                obj = decode_line(raw)
+                cid = custom_id_of(obj)
+                if cid in done:
+                    skipped += 1
+                    continue
+                if cid is not None:
+                    first = first_line.setdefault(cid, lineno)
+                    if first != lineno:
+                        raise BadRequest(
+                            f"custom_id {cid!r} repeats line {first}'s; each request needs "
+                            "its own custom_id"
+                        )
+                req = parse_request(obj, defaults)
+                prompt = checked_prompt(llm, req)
+            except BadRequest as e:
+                errors.append(_record(cid, 400, None, f"line {lineno}: {e}"))
+                continue
+            reqs.append(req)
+            prompts.append(prompt)
+    return reqs, prompts, errors, skipped
+
+
+class ResultWriter:
+    """Appends records to the output file, each whole and flushed at once; fsyncs every
+    FSYNC_EVERY records or FSYNC_SECONDS, and on close. Cuts a torn last line off first."""
+
+    def __init__(self, path: Path, complete: int) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        created = not path.exists()
+        if not created and path.stat().st_size > complete:
+            os.truncate(path, complete)
+        self._file = path.open("ab")
+        if created:
+            # The new file's directory entry must last too, or a power cut loses the file.
+            fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        self._unsynced = 0
+        self._synced_at = time.monotonic()
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record).encode() + b"\n")
+        self._file.flush()
+        self._unsynced += 1
+        if self._unsynced >= FSYNC_EVERY or time.monotonic() - self._synced_at >= FSYNC_SECONDS:
+            self.sync()
+
+    def sync(self) -> None:
+        os.fsync(self._file.fileno())
+        self._unsynced = 0
+        self._synced_at = time.monotonic()
+
+    def close(self) -> None:
         try:
-            outs = _serve(llm, [reqs[i] for i in idx])
-        except (ValueError, TypeError):
-            # One request refused the batch: serve one at a time to find which.
-            outs = []
-            for i in idx:
-                try:
-                    outs.append(_serve(llm, [reqs[i]])[0])
-                except (ValueError, TypeError) as e:
-                    outs.append(e)
-        for i, out in zip(idx, outs):
-            cid = reqs[i].custom_id
-            if isinstance(out, Exception):
-                records[i] = _record(cid, 400, None, str(out))
-            else:
-                records[i] = _record(cid, 200, response_body(llm, reqs[i], out, model_name), None)
-    return [records[i] for i in range(len(reqs))]
+            self.sync()
+        finally:
+            self._file.close()
 
 
 def run_batch(
     llm: LLM, input_path: Path, output_path: Path, model_name: str, use_tqdm: bool = True
 ) -> dict[str, int]:
-    """Serve every request of input_path not yet in output_path; returns counts by outcome."""
-    done = done_custom_ids(output_path)
-    defaults = llm.get_default_sampling_params()
-    pending: list[BatchRequest | dict] = []
-    skipped = 0
-    with input_path.open() as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            cid = _custom_id_of(line)
-            if cid is not None and cid in done:
-                skipped += 1
-                continue
-            try:
-                req = parse_line(line, defaults)
-            except BadRequest as e:
-                pending.append(_record(cid, 400, None, f"line {lineno}: {e}"))
-                continue
-            done.add(req.custom_id)  # a repeated custom_id is served once
-            pending.append(req)
-    counts = {"ok": 0, "error": 0, "skipped": skipped}
-    output_path.parent.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=len(pending), desc="Requests", disable=not use_tqdm)
-    with output_path.open("a") as out:
-        for start in range(0, len(pending), CHUNK):
-            chunk = pending[start : start + CHUNK]
-            reqs = [r for r in chunk if isinstance(r, BatchRequest)]
-            served = iter(_serve_chunk(llm, reqs, model_name) if reqs else [])
-            for item in chunk:
-                record = next(served) if isinstance(item, BatchRequest) else item
-                counts["ok" if record["error"] is None else "error"] += 1
-                out.write(json.dumps(record) + "\n")
-            out.flush()
-            bar.update(len(chunk))
-    bar.close()
+    """Serve every request of input_path without a status-200 record in output_path, appending
+    each record as it becomes final; returns how many lines were served ("ok"), got an error
+    record ("error") and were done already ("skipped")."""
+    if output_path.exists() and os.path.samefile(input_path, output_path):
+        raise ValueError(f"the output file is the input file ({str(input_path)!r})")
+    done, complete = scan_output(output_path)
+    reqs, prompts, errors, skipped = read_requests(llm, input_path, done)
+    counts = {"ok": 0, "error": len(errors), "skipped": skipped}
+    out = ResultWriter(output_path, complete)
+    bar = tqdm(total=len(errors) + len(reqs), desc="Requests", disable=not use_tqdm)
+    try:
+        for record in errors:
+            out.write(record)
+            bar.update(1)
+        if reqs:
+            # One engine call over the whole file: continuous batching, each record written as
+            # its request finishes. closing(): leaving early (an error, Ctrl-C) aborts the rest
+            # and frees the LLM at once, not when the traceback lets the generator go.
+            finished = llm.generate_iter(prompts, [r.params for r in reqs])
+            with contextlib.closing(finished):
+                for i, result in finished:
+                    body = response_body(llm, reqs[i], result, model_name)
+                    out.write(_record(reqs[i].custom_id, 200, body, None))
+                    counts["ok"] += 1
+                    bar.update(1)
+    finally:
+        bar.close()
+        out.close()
     return counts
 
 
@@ -339,6 +457,8 @@ def add_parser(sub) -> None:
                    help="8-bit KV scales from the first forward pass (else the checkpoint's, "
                         "else 1.0)")  # fmt: skip
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="most logprobs a request may ask for (-1: no cap)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--generation-config", default="auto")
     p.add_argument("--disable-progress-bar", action="store_true")
@@ -359,6 +479,7 @@ def main(args: argparse.Namespace) -> int:
         kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=args.kv_cache_dtype,
         calculate_kv_scales=args.calculate_kv_scales,
+        max_logprobs=args.max_logprobs,
         gpu_memory_utilization=args.gpu_memory_utilization,
         seed=args.seed,
         generation_config=args.generation_config,
@@ -369,6 +490,6 @@ def main(args: argparse.Namespace) -> int:
     )
     print(
         f"run-batch: {counts['ok']} served, {counts['error']} errors, "
-        f"{counts['skipped']} already in {args.output_file}"
+        f"{counts['skipped']} already done in {args.output_file}"
     )
     return 0

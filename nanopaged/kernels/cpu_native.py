@@ -124,7 +124,8 @@ def available() -> bool:
 
 def _lib() -> ctypes.CDLL:
     lib = load()
-    assert lib is not None, "CPU kernels unavailable: check cpu_native.available() first"
+    if lib is None:
+        raise RuntimeError("CPU kernels unavailable: check cpu_native.available() first")
     return lib
 
 
@@ -136,9 +137,51 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _check_bf16(*tensors: torch.Tensor) -> None:
-    for t in tensors:
-        assert t.dtype is torch.bfloat16 and not t.is_cuda, (t.dtype, t.device)
+# The C code reads and writes memory through every pointer, size and stride it is given, so
+# each requirement is checked here with a real exception (never an assert, which `python -O`
+# strips): a wrong call is an error, not a crash or a write outside a tensor.
+def _tensor(name: str, t: object, dtype: torch.dtype, ndim: int | None = None) -> None:
+    """TypeError unless t is a tensor of dtype; ValueError unless it lies in CPU memory (a meta
+    tensor has no data) with ndim dimensions."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+
+
+def _shape(name: str, t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape} ({what}), got {tuple(t.shape)}")
+
+
+def _contiguous(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+
+
+def _number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _caches(k_cache: object, v_cache: object) -> tuple[int, int, int, int]:
+    """(num_blocks, block_size, kv_heads, head_dim) of two bf16 caches [num_blocks, block_size,
+    kv_heads, head_dim], contiguous and alike; ValueError or TypeError naming the one that is
+    not."""
+    _tensor("k_cache", k_cache, torch.bfloat16, 4)
+    _tensor("v_cache", v_cache, torch.bfloat16, 4)
+    _contiguous("k_cache", k_cache)
+    _contiguous("v_cache", v_cache)
+    shape = tuple(k_cache.shape)
+    _shape("v_cache", v_cache, shape, "k_cache's")
+    if min(shape[1:]) < 1:
+        raise ValueError(f"k_cache's block_size, kv_heads and head_dim must be >= 1, got {shape}")
+    return shape
 
 
 # The wrappers run once per layer and step: each check and allocation here is a visible share
@@ -149,10 +192,15 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """rms_norm_ref's result (see kernels/rms_norm.py): out, or (out, x + residual)."""
+    _tensor("x", x, torch.bfloat16)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the hidden size), got a scalar")
+    _tensor("weight", weight, torch.bfloat16, 1)
+    _shape("weight", weight, (x.shape[-1],), "x's last dimension")
+    _contiguous("weight", weight)
+    eps = _number("eps", eps)
     xr = _rows(x)
     rows, hidden = xr.shape
-    _check_bf16(xr, weight)
-    assert weight.stride(0) == 1 and weight.shape[0] == hidden, weight.shape
     out = torch.empty((rows, hidden), dtype=torch.bfloat16)
     if residual is None:
         _lib().np_rms_norm(
@@ -160,9 +208,9 @@ def rms_norm(
             None, 0, rows, hidden, eps,
         )  # fmt: skip
         return out if xr is x else out.view(x.shape)
+    _tensor("residual", residual, torch.bfloat16)
+    _shape("residual", residual, tuple(x.shape), "x's")
     rr = _rows(residual)
-    _check_bf16(rr)
-    assert rr.shape == xr.shape, (rr.shape, xr.shape)
     new_residual = torch.empty_like(out)
     _lib().np_rms_norm(
         xr.data_ptr(), xr.stride(0), rr.data_ptr(), rr.stride(0), weight.data_ptr(),
@@ -176,17 +224,40 @@ def rms_norm(
 def rotate(x: torch.Tensor, cos_t: torch.Tensor, signed_sin_t: torch.Tensor) -> torch.Tensor:
     """rotate_ref's result, bit for bit: x [tokens, heads, dim] (each head's row contiguous),
     the tables [tokens, 1, dim] from rotary_tables_ref; a new contiguous tensor."""
+    _tensor("x", x, torch.bfloat16, 3)
     tokens, heads, dim = x.shape
-    _check_bf16(x, cos_t, signed_sin_t)
-    assert x.stride(2) == 1 and dim % 2 == 0, (x.stride(), dim)
-    assert cos_t.shape == signed_sin_t.shape == (tokens, 1, dim), (cos_t.shape, x.shape)
-    assert cos_t.is_contiguous() and signed_sin_t.is_contiguous()
+    if x.stride(2) != 1 or dim % 2:
+        raise ValueError(
+            "x must have an even last dimension of stride 1 (each head's row contiguous), "
+            f"got shape {tuple(x.shape)}, strides {x.stride()}"
+        )
+    for name, table in (("cos_t", cos_t), ("signed_sin_t", signed_sin_t)):
+        _tensor(name, table, torch.bfloat16, 3)
+        _shape(name, table, (tokens, 1, dim), "[tokens, 1, head_dim] of x")
+        _contiguous(name, table)
     out = torch.empty((tokens, heads, dim), dtype=torch.bfloat16)
     _lib().np_rotate(
         x.data_ptr(), x.stride(0), x.stride(1), cos_t.data_ptr(), signed_sin_t.data_ptr(), dim,
         out.data_ptr(), tokens, heads, dim,
     )  # fmt: skip
     return out
+
+
+def _heads_rows(name: str, t: object, shape: tuple[int, int, int] | None = None) -> None:
+    """t: bf16 [tokens, kv_heads, dim] (of `shape` when given) whose tokens each hold their
+    heads' rows one after another (a view of a qkv row does)."""
+    _tensor(name, t, torch.bfloat16, 3)
+    if shape is not None:
+        _shape(name, t, shape, "[tokens, kv_heads, head_dim] of key")
+    if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+        raise ValueError(f"{name} must hold each token's heads contiguously (strides (*, "
+                         f"{t.shape[2]}, 1)), got strides {t.stride()}")  # fmt: skip
+
+
+def _index_vector(name: str, t: object, dtype: torch.dtype, length: int, what: str) -> None:
+    _tensor(name, t, dtype, 1)
+    _shape(name, t, (length,), what)
+    _contiguous(name, t)
 
 
 def store_kv(
@@ -198,13 +269,14 @@ def store_kv(
 ) -> None:
     """store_kv_ref for a bf16 cache: key/value [tokens, kv_heads, dim] into their slots (-1
     skips). Each token's heads must lie contiguously (a view of a qkv row does)."""
+    _heads_rows("key", key)
     tokens, kv_heads, dim = key.shape
-    _check_bf16(key, value, k_cache, v_cache)
-    assert key.stride()[1:] == value.stride()[1:] == (dim, 1), (key.stride(), value.stride())
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert k_cache.shape[-2:] == (kv_heads, dim) and v_cache.shape == k_cache.shape
-    assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
-    assert slot_mapping.shape == (tokens,), (slot_mapping.shape, tokens)
+    _heads_rows("value", value, (tokens, kv_heads, dim))
+    cache_shape = _caches(k_cache, v_cache)
+    if cache_shape[2:] != (kv_heads, dim):
+        raise ValueError(f"k_cache's last two dimensions must be key's (kv_heads, head_dim) = "
+                         f"{(kv_heads, dim)}, got shape {cache_shape}")  # fmt: skip
+    _index_vector("slot_mapping", slot_mapping, torch.int64, tokens, "one slot per token of key")
     row = kv_heads * dim
     status = _lib().np_store_kv(
         key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),
@@ -214,15 +286,39 @@ def store_kv(
         raise ValueError(f"slot_mapping holds a slot outside [-1, {k_cache.numel() // row})")
 
 
-def _check_decode(q, k_cache, v_cache, block_tables, context_lens) -> None:
+def _check_decode(
+    q: object,
+    k_cache: object,
+    v_cache: object,
+    block_tables: object,
+    context_lens: object,
+    scale: object,
+    max_context_len: object,
+) -> float:
+    """The checks paged_decode and rotary_decode share; returns scale as a float."""
+    _tensor("q", q, torch.bfloat16, 3)
     batch, heads, dim = q.shape
-    _check_bf16(q, k_cache, v_cache)
-    kv_heads, cache_dim = k_cache.shape[2:]
-    assert cache_dim == dim and heads % kv_heads == 0 and q.stride(2) == 1, (q.shape, k_cache.shape)
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
-    assert block_tables.dtype is torch.int32 and context_lens.dtype is torch.int32
-    assert block_tables.stride(1) == 1 and context_lens.is_contiguous()
-    assert block_tables.shape[0] == context_lens.shape[0] == batch
+    if q.stride(2) != 1:
+        raise ValueError(f"q's head rows must be contiguous (last stride 1), got {q.stride()}")
+    _, _, kv_heads, cache_dim = _caches(k_cache, v_cache)
+    if cache_dim != dim:
+        raise ValueError(f"k_cache's head_dim ({cache_dim}) must be q's ({dim})")
+    if heads % kv_heads:
+        raise ValueError(f"q's heads ({heads}) must be a multiple of k_cache's kv_heads "
+                         f"({kv_heads})")  # fmt: skip
+    _tensor("block_tables", block_tables, torch.int32, 2)
+    if block_tables.shape[0] != batch or block_tables.stride(1) != 1:
+        raise ValueError(
+            f"block_tables must be [batch={batch}, *] with rows of stride 1, got shape "
+            f"{tuple(block_tables.shape)}, strides {block_tables.stride()}"
+        )
+    _index_vector("context_lens", context_lens, torch.int32, batch, "one per sequence of q")
+    scale = _number("scale", scale)
+    if isinstance(max_context_len, bool) or not isinstance(max_context_len, int):
+        raise TypeError(f"max_context_len must be an int, got {type(max_context_len).__name__}")
+    if max_context_len < 0:
+        raise ValueError(f"max_context_len must be >= 0, got {max_context_len}")
+    return scale
 
 
 def _decode_status(status: int, max_context_len: int) -> None:
@@ -232,7 +328,8 @@ def _decode_status(status: int, max_context_len: int) -> None:
         raise ValueError("block_tables do not cover context_lens with blocks of the cache")
     if status == -3:
         raise ValueError("a position is outside the rotary tables or a slot outside the cache")
-    assert status == 0, status
+    if status != 0:
+        raise RuntimeError(f"CPU decode kernel returned unknown status {status}")
 
 
 def paged_decode(
@@ -246,7 +343,7 @@ def paged_decode(
 ) -> torch.Tensor:
     """paged_decode_ref for a bf16 cache, in fp32 arithmetic (probabilities not rounded to
     bf16 before the sum over V). q [batch, heads, dim]; max_context_len >= every context."""
-    _check_decode(q, k_cache, v_cache, block_tables, context_lens)
+    scale = _check_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len)
     batch, heads, dim = q.shape
     num_blocks, block_size, kv_heads = k_cache.shape[:3]
     scratch = torch.empty(
@@ -283,16 +380,26 @@ def rotary_decode(
     dim] fp32), store k and v at slot_mapping (store_kv_ref), then paged_decode. q [batch,
     heads, dim], k and v [batch, kv_heads, dim] (views of the qkv rows: each head's row
     contiguous); positions and slot_mapping int64, one per sequence."""
-    _check_decode(q, k_cache, v_cache, block_tables, context_lens)
+    scale = _check_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len)
     batch, heads, dim = q.shape
     num_blocks, block_size, kv_heads = k_cache.shape[:3]
-    _check_bf16(k, v)
-    assert k.shape == v.shape == (batch, kv_heads, dim), (k.shape, v.shape, q.shape)
-    assert k.stride(2) == 1 and v.stride(2) == 1 and dim % 2 == 0, (k.stride(), v.stride())
-    assert cos.dtype is sin.dtype is torch.float32 and cos.shape == sin.shape
-    assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[1] == dim, cos.shape
-    for t in (positions, slot_mapping):
-        assert t.dtype is torch.int64 and t.is_contiguous() and t.shape == (batch,), t.shape
+    if dim % 2:
+        raise ValueError(f"q's head_dim must be even for the rotation, got {dim}")
+    for name, t in (("k", k), ("v", v)):
+        _tensor(name, t, torch.bfloat16, 3)
+        _shape(name, t, (batch, kv_heads, dim), "[batch, kv_heads, head_dim] of q and k_cache")
+        if t.stride(2) != 1:
+            raise ValueError(f"{name}'s head rows must be contiguous (last stride 1), got "
+                             f"{t.stride()}")  # fmt: skip
+    _tensor("cos", cos, torch.float32, 2)
+    _tensor("sin", sin, torch.float32, 2)
+    if cos.shape[1] != dim:
+        raise ValueError(f"cos must be [max_position, head_dim={dim}], got {tuple(cos.shape)}")
+    _shape("sin", sin, tuple(cos.shape), "cos's")
+    _contiguous("cos", cos)
+    _contiguous("sin", sin)
+    _index_vector("positions", positions, torch.int64, batch, "one per sequence of q")
+    _index_vector("slot_mapping", slot_mapping, torch.int64, batch, "one per sequence of q")
     scratch = torch.empty(
         heads // kv_heads * (max_context_len + 2 * dim) + dim + (heads + 1) * dim,
         dtype=torch.float32,

@@ -125,17 +125,24 @@ def test_tight_fp8_pools_match_a_large_one(llama, kv, device):
 
 @pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_prompt_logprobs_over_fp8_read_what_decode_reads(llama, kv, device):
-    """Prompt logprobs (a prefill over a scratch cache bound like the engine's, 8-bit V
-    channel-major) equal the logprobs decode gave the same tokens over the main cache: on
-    CUDA the prefill and decode kernels read the 8-bit layout alike."""
+@pytest.mark.parametrize("max_num_batched_tokens", [16384, 8], ids=["one-step", "chunked"])
+def test_prompt_logprobs_over_fp8_read_what_decode_reads(llama, kv, device,
+                                                         max_num_batched_tokens):  # fmt: skip
+    """Prompt logprobs (the logits rows of the prompt's own prefill steps, which store the
+    prompt's K/V in 8 bits; chunked: later chunks read earlier ones from the 8-bit cache)
+    equal the logprobs decode gave the same tokens: on CUDA the prefill and decode kernels
+    read the 8-bit layout alike."""
     llm = LLM(str(llama), device=device, dtype="float32", kv_cache_dtype=kv,
-              kv_cache_memory=1 << 20, block_size=8, max_model_len=96)  # fmt: skip
+              kv_cache_memory=1 << 20, block_size=8, max_model_len=96,
+              max_num_batched_tokens=max_num_batched_tokens)  # fmt: skip
     prompt = _prompts([21], seed=3)[0]
     gen = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, logprobs=0,
                                                 ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    # The prompt's blocks are cached, but a request with prompt logprobs computes them all.
     scored = llm.generate([prompt + list(gen.token_ids)], SamplingParams(
-        max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0].prompt_logprobs
+        max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    assert scored.num_cached_tokens == 0
+    scored = scored.prompt_logprobs
     decoded = [entry[t].logprob for entry, t in zip(gen.logprobs, gen.token_ids)]
     prompted = [scored[len(prompt) + i][t].logprob for i, t in enumerate(gen.token_ids)]
     assert len(decoded) == len(prompted) == 12

@@ -1,5 +1,7 @@
 """Loading is safe: weights only from safetensors or GGUF, nothing unpickled, no model-directory
-code imported, and a damaged weight file is a clear error naming the file."""
+code imported, a damaged weight file is a clear error naming the file, and a config.json or
+tensor dtype nanopaged cannot run is refused, naming the field or tensor, before any weight is
+read."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import add_byte_tokenizer, make_tiny_model
 
-from nanopaged import LLM, SamplingParams
+from nanopaged import LLM, SamplingParams, loader
 
 KV = 1 << 20
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -140,6 +142,19 @@ def test_wrong_shape_names_the_tensor_and_file(model_dir, tmp_path):
         LLM(str(path), kv_cache_memory=KV)  # fmt: skip
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weight_is_refused(model_dir, tmp_path, bad):
+    # NaN weights made every logit NaN, and the sampler emitted token 0 whatever the request
+    # allowed: refused at load, naming the tensor.
+    path = _copy(model_dir, tmp_path / "m")
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors["model.layers.0.self_attn.o_proj.weight"][3, 5] = bad
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"weight 'model.layers.0.self_attn.o_proj.weight' in "
+                       r".*model.safetensors holds NaN or infinite values"):
+        LLM(str(path), kv_cache_memory=KV)  # fmt: skip
+
+
 def test_missing_and_unexpected_tensors(model_dir, tmp_path):
     path = _copy(model_dir, tmp_path / "m")
     tensors = load_file(model_dir / "model.safetensors")
@@ -151,6 +166,162 @@ def test_missing_and_unexpected_tensors(model_dir, tmp_path):
     save_file({**tensors, "model.extra.weight": torch.zeros(2)}, path / "model.safetensors")
     with pytest.raises(ValueError, match=r"unexpected weight 'model.extra.weight' in"):
         LLM(str(path), kv_cache_memory=KV)
+
+
+# ---- config.json fields and tensor dtypes nanopaged cannot run ----------------------------
+@pytest.fixture
+def no_weight_data_read(monkeypatch):
+    """Reading any tensor's data fails the test; the safetensors headers stay readable."""
+    real_open = loader.safe_open
+
+    class HeadersOnly:
+        def __init__(self, *args, **kwargs) -> None:
+            self.file = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def keys(self):
+            return self.file.keys()
+
+        def get_slice(self, name):
+            return self.file.get_slice(name)
+
+        def get_tensor(self, name):
+            raise AssertionError(f"the data of weight {name!r} was read")
+
+    monkeypatch.setattr(loader, "safe_open", HeadersOnly)
+
+
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, original_max_position_embeddings=256)
+BAD_CONFIGS = {
+    "rope_theta-0": (dict(rope_theta=0), r"rope_theta in .* must be a finite number > 0, got 0"),
+    "rope_theta-negative": (dict(rope_parameters=dict(rope_type="default", rope_theta=-5.0)),
+                            r"rope_theta in .* must be a finite number > 0, got -5.0"),
+    "rope_theta-inf": (dict(rope_theta=float("inf")), r"rope_theta .* > 0, got inf"),
+    "rope_theta-text": (dict(rope_theta="1e4"), r"rope_theta .* > 0, got '1e4'"),
+    "rope-yarn": (dict(rope_scaling=dict(rope_type="yarn", factor=4.0)),
+                  r"rope_scaling type 'yarn' in .* is not supported; nanopaged implements "
+                  r"'default', 'llama3'"),
+    "rope-linear-legacy-key": (dict(rope_scaling=dict(type="linear", factor=2.0)),
+                               r"rope_scaling type 'linear' .* not supported"),
+    "rope-dynamic-parameters": (dict(rope_parameters=dict(rope_type="dynamic", factor=2.0)),
+                                r"rope_scaling type 'dynamic' .* not supported"),
+    "rope-not-an-object": (dict(rope_scaling="yarn"),
+                           r"rope_scaling in .* must be an object or null, got 'yarn'"),
+    "llama3-no-factor": (dict(rope_parameters={**LLAMA3_ROPE, "factor": None}),
+                         r"rope_scaling factor in .* must be a finite number > 0, got None"),
+    "llama3-no-original-length": (
+        dict(rope_parameters={**LLAMA3_ROPE, "original_max_position_embeddings": 0}),
+        r"rope_scaling original_max_position_embeddings .* integer >= 1, got 0"),
+    "llama3-freq-factors": (
+        dict(rope_parameters={**LLAMA3_ROPE, "low_freq_factor": 4.0, "high_freq_factor": 4.0}),
+        r"high_freq_factor \(4.0\) .* must exceed low_freq_factor \(4.0\)"),
+    "partial-rotary": (dict(partial_rotary_factor=0.5),
+                       r"partial_rotary_factor in .* must be 1.0 .*got 0.5"),
+    "layers-0": (dict(num_hidden_layers=0),
+                 r"num_hidden_layers in .*config.json must be an integer >= 1, got 0"),
+    "layers-negative": (dict(num_hidden_layers=-1), r"num_hidden_layers .* >= 1, got -1"),
+    "layers-float": (dict(num_hidden_layers=2.0), r"num_hidden_layers .* >= 1, got 2.0"),
+    "layers-bool": (dict(num_hidden_layers=True), r"num_hidden_layers .* >= 1, got True"),
+    "heads-3": (dict(num_attention_heads=3),
+                r"num_key_value_heads \(2\) in .* must divide num_attention_heads \(3\)"),
+    "heads-not-dividing-hidden": (dict(num_attention_heads=3, num_key_value_heads=1),
+                                  r"num_attention_heads \(3\) .* must divide hidden_size \(64\)"),
+    "heads-0": (dict(num_attention_heads=0), r"num_attention_heads .* >= 1, got 0"),
+    "kv-heads-more-than-heads": (dict(num_key_value_heads=8),
+                                 r"num_key_value_heads \(8\) .* must divide num_attention_heads"),
+    "kv-heads-0": (dict(num_key_value_heads=0), r"num_key_value_heads .* >= 1, got 0"),
+    "head_dim-0": (dict(head_dim=0), r"head_dim in .* must be an integer >= 1, got 0"),
+    "head_dim-odd": (dict(head_dim=15), r"head_dim \(15\) in .* must be even"),
+    "vocab-0": (dict(vocab_size=0), r"vocab_size .* >= 1, got 0"),
+    "hidden-negative": (dict(hidden_size=-64), r"hidden_size .* >= 1, got -64"),
+    "intermediate-text": (dict(intermediate_size="128"), r"intermediate_size .* got '128'"),
+    "max_position-0": (dict(max_position_embeddings=0), r"max_position_embeddings .* got 0"),
+    "eps-0": (dict(rms_norm_eps=0), r"rms_norm_eps in .* must be a finite number > 0, got 0"),
+    "eps-negative": (dict(rms_norm_eps=-1e-6), r"rms_norm_eps .* > 0, got -1e-06"),
+    "tie-text": (dict(tie_word_embeddings="false"),
+                 r"tie_word_embeddings in .* must be true or false, got 'false'"),
+    "mlp_bias-text": (dict(mlp_bias="no"), r"mlp_bias .* must be true or false, got 'no'"),
+    "attention_bias-int": (dict(attention_bias=1), r"attention_bias .* true or false, got 1"),
+    "hidden_act-gelu": (dict(hidden_act="gelu"),
+                        r"hidden_act 'gelu' in .* is not supported; nanopaged implements 'silu'"),
+    "sliding-window-layer-types": (
+        dict(layer_types=["full_attention", "sliding_attention"]),
+        r"layer_types in .* must list only 'full_attention' \(sliding-window attention"),
+    "sliding-window-flag": (dict(use_sliding_window=True, max_window_layers=1),
+                            r"use_sliding_window=true in .* \(layers 1..1\): sliding-window"),
+    "dtype-int8": (dict(dtype="int8"), r"dtype in .* must be one of float32, float16, bfloat16, "
+                   r"got 'int8' \(quantized formats are not supported yet\)"),
+    "quantized": (dict(quantization_config=dict(quant_method="gptq", bits=4)),
+                  r"quantized checkpoint \(quantization_config: 'gptq'\); quantized formats "
+                  r"are not supported yet"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", list(BAD_CONFIGS), ids=list(BAD_CONFIGS))
+def test_bad_config_field_is_named_before_any_weight_is_read(
+    model_dir, tmp_path, bad, no_weight_data_read
+):
+    changes, match = BAD_CONFIGS[bad]
+    path = _copy(model_dir, tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=match):
+        LLM(str(path), kv_cache_memory=KV)
+
+
+def test_supported_rope_and_window_settings_still_load(model_dir, tmp_path, reference):
+    # The same model with settings that change nothing: legacy rope keys, window switched off.
+    path = _copy(model_dir, tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["rope_parameters"]
+    cfg.update(rope_theta=10000.0, rope_scaling=None, hidden_act="swish", partial_rotary_factor=1.0,
+               use_sliding_window=False, layer_types=["full_attention"] * 2)  # fmt: skip
+    (path / "config.json").write_text(json.dumps(cfg))
+    out = LLM(str(path), kv_cache_memory=KV).generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == reference[0].outputs[0].token_ids
+
+
+NOT_FLOAT = {
+    "int8": (torch.int8, "I8"),
+    "uint8": (torch.uint8, "U8"),
+    "int32": (torch.int32, "I32"),
+    "bool": (torch.bool, "BOOL"),
+    "float8": (torch.float8_e4m3fn, "F8_E4M3"),
+}
+
+
+@pytest.mark.parametrize("kind", list(NOT_FLOAT), ids=list(NOT_FLOAT))
+def test_non_float_tensor_is_refused_uncast(model_dir, tmp_path, kind, no_weight_data_read):
+    # A quantized checkpoint's integer or 8-bit weights mean nothing without their scales:
+    # refused from the header (in the second shard), never cast to float.
+    dtype, name = NOT_FLOAT[kind]
+    path = _copy(model_dir, tmp_path / "m", skip=("model.safetensors",))
+    tensors = load_file(model_dir / "model.safetensors")
+    bad = "model.layers.1.mlp.up_proj.weight"
+    tensors[bad] = tensors[bad].to(dtype)
+    names = sorted(tensors)
+    save_file({k: tensors[k] for k in names[::2]}, path / "model-00001-of-00002.safetensors")
+    save_file({k: tensors[k] for k in names[1::2]}, path / "model-00002-of-00002.safetensors")
+    shard = next(p for p in path.glob("*.safetensors") if bad in load_file(p))
+    with pytest.raises(ValueError, match=rf"weight '{bad}' in {shard} has dtype {name}; nanopaged "
+                       r"loads float weights \(F16, BF16, F32, F64\) .*quantized formats are "
+                       r"not supported yet"):
+        LLM(str(path), kv_cache_memory=KV)  # fmt: skip
+
+
+def test_float64_weights_load(model_dir, tmp_path, reference):
+    path = _copy(model_dir, tmp_path / "m")
+    tensors = load_file(model_dir / "model.safetensors")
+    save_file({k: v.double() for k, v in tensors.items()}, path / "model.safetensors")
+    out = LLM(str(path), kv_cache_memory=KV).generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == reference[0].outputs[0].token_ids
 
 
 # ---- damaged GGUF --------------------------------------------------------------------------

@@ -175,8 +175,8 @@ def test_workers_end_with_their_llm(llama_dir):
     with pytest.raises(RuntimeError, match="stopped"):
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     # Dropped without shutdown: the workers go with it, and rank 0's runner, model and KV
-    # cache with reference counting alone (the LLM freezes start-up's objects out of the
-    # garbage collector's view, so none of them may sit in a reference cycle).
+    # cache with reference counting alone (a full collection may not come soon, so none of
+    # them may sit in a reference cycle).
     llm = LLM(str(llama_dir), tensor_parallel_size=2, kv_cache_memory=1 << 22)
     llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     refs = [weakref.ref(o) for o in (llm.runner, llm.runner.model, llm.runner.kv_cache)]

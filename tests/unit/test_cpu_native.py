@@ -4,8 +4,14 @@ rounding; the build, its opt-out, and the backend that picks them."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+from cpu_native_bad_calls import CASES, ENTRIES, check, valid_args
 from tiny_models import make_tiny_model
 
 from nanopaged import LLM, SamplingParams
@@ -183,6 +189,37 @@ def test_out_of_range_inputs_raise_before_any_write():
         with pytest.raises(ValueError, match="slot"):
             cpu_native.store_kv(key, key, *caches, torch.tensor([0, slot, 1]))
         assert not caches[0].any() and not caches[1].any()
+
+
+@needs_kernels
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_the_calls_the_wrong_ones_start_from_run(entry):
+    args = valid_args(entry)
+    getattr(cpu_native, entry)(**args)
+    if entry in ("store_kv", "rotary_decode"):
+        assert args["k_cache"].any() and args["v_cache"].any()  # they did write
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_wrong_calls_raise_before_the_c_code_runs(case):
+    # Each entry point checks every shape, dtype, device and stride the C code relies on;
+    # a value with fewer tokens than the key once made store_kv read past it.
+    problem = check(case)
+    assert problem is None, problem
+
+
+@needs_kernels
+def test_wrong_calls_raise_without_asserts():
+    # The same wrong calls under `python -O`, which strips asserts: the checks are real code.
+    script = Path(__file__).with_name("cpu_native_bad_calls.py")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(script.parent)])}
+    result = subprocess.run(
+        [sys.executable, "-O", str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"all {len(CASES)} wrong calls raised" in result.stdout
 
 
 @needs_kernels

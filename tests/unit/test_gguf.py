@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -90,12 +95,13 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def write_gguf(model: torch.nn.Module, arch: str, path: Path) -> None:
-    """Write an HF model as an F32 GGUF file, named and laid out as llama.cpp would."""
+def write_gguf(model: torch.nn.Module, arch: str, path: Path, **metadata) -> None:
+    """Write an HF model as an F32 GGUF file, named and laid out as llama.cpp would; metadata:
+    config values to write instead of the model's (the tensors stay the model's)."""
     c = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
     writer = gguf.GGUFWriter(str(path), arch)
-    add_metadata(writer, c, arch)
+    add_metadata(writer, SimpleNamespace(**{**c.to_dict(), **metadata}) if metadata else c, arch)
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue
@@ -306,24 +312,135 @@ def test_damaged_entry_is_rebuilt(tiny_ggufs: dict, damage) -> None:
     assert json.loads((entry / npg.MANIFEST).read_text()) == json.loads(manifest)
 
 
-def test_leftover_temp_builds(tiny_ggufs: dict, cache_dir: Path) -> None:
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _converter(path: Path, dtype: str, at_manifest: str) -> subprocess.Popen:
+    """Another process converting `path`: it prints "built" once the whole model is written
+    into its temp build, runs `at_manifest` (Python: SIGKILL itself, or wait for a line on
+    stdin), then finishes the conversion and prints the entry."""
+    code = f"""
+import os, signal, sys, torch
+from nanopaged import gguf as npg
+finish = npg._write_manifest
+def write_manifest(folder):
+    print("built", flush=True)
+    {at_manifest}
+    finish(folder)
+npg._write_manifest = write_manifest
+print(npg.convert_gguf({str(path)!r}, torch.{dtype}), flush=True)
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=env,
+    )  # fmt: skip
+
+
+KILL = "os.kill(os.getpid(), signal.SIGKILL)"
+WAIT = "sys.stdin.readline()"
+
+
+def _builds(folder: Path) -> set[str]:
+    return {p.name for p in folder.glob(".tmp-*")}
+
+
+def test_killed_conversion_leaves_nothing_behind(tiny_ggufs: dict, cache_dir: Path) -> None:
+    # A first conversion killed after writing the whole model leaves its temp build; the
+    # next load removes it, while a conversion running at the same time in another process
+    # keeps its build, finishes, and both end with the same entry.
+    path = tiny_ggufs["qwen2"][1]
+    entry = npg.cache_entry(path)
+    # Both hold a whole model in their temp builds before the first one is killed.
+    killed = _converter(path, "float32", f"{WAIT}; {KILL}")
+    live = _converter(path, "float32", WAIT)
+    try:
+        assert killed.stdout.readline() == "built\n" and live.stdout.readline() == "built\n"
+        killed.communicate("\n", timeout=120)
+        assert killed.returncode == -signal.SIGKILL
+        leftovers = _builds(entry.parent)
+        assert len(leftovers) == 2  # the dead build and the live one, each a whole model
+        for name in leftovers:
+            assert (entry.parent / name / npg.WEIGHTS).stat().st_size > 100_000
+
+        assert npg.resolve_model(path) == entry and npg.verify_entry(entry)
+        assert len(_builds(entry.parent)) == 1  # the dead build is gone, the live one kept
+        live_build = entry.parent / next(iter(_builds(entry.parent)))
+        assert (live_build / npg.WEIGHTS).is_file()
+
+        out, _ = live.communicate("\n", timeout=120)
+        assert live.returncode == 0 and out.strip() == str(entry)
+        assert npg.verify_entry(entry) and _builds(entry.parent) == set()
+    finally:
+        for process in (killed, live):
+            if process.poll() is None:  # left waiting by a failed assert
+                process.kill()
+                process.communicate()
+
+
+def test_dead_builds_go_on_every_load(tiny_ggufs: dict, cache_dir: Path) -> None:
+    # Once the entry exists, loading it converts nothing, and still removes what a killed
+    # conversion (here of the same file's bfloat16 entry) left.
+    path = tiny_ggufs["qwen2"][1]
+    entry = npg.resolve_model(path)
+    killed = _converter(path, "bfloat16", KILL)
+    out, _ = killed.communicate(timeout=120)
+    assert out == "built\n" and killed.returncode == -signal.SIGKILL
+    assert len(_builds(entry.parent)) == 1
+    conversions = npg.CONVERSIONS
+    assert npg.resolve_model(path) == entry
+    assert npg.CONVERSIONS == conversions
+    assert _builds(entry.parent) == set()
+    assert {p.name for p in entry.parent.iterdir()} == {entry.name}
+
+
+def test_without_flock_only_old_builds_go(
+    tiny_ggufs: dict, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A filesystem without flock cannot tell a live build from a dead one: a build left
+    # alone for STALE_BUILD_S goes, a recent one stays.
+    def no_flock(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "no locks available")
+
+    monkeypatch.setattr(npg.fcntl, "flock", no_flock)
     path = tiny_ggufs["qwen2"][1]
     entry = npg.cache_entry(path)
     entry.parent.mkdir(parents=True)
-    fresh = entry.parent / f".tmp-{entry.name}-crashed"
-    fresh.mkdir()
-    (fresh / npg.WEIGHTS).write_bytes(b"half written")
-    stale = entry.parent / f".tmp-{entry.name}-old"
-    stale.mkdir()
-    old = time.time() - 2 * npg.STALE_BUILD_S
-    os.utime(stale, (old, old))
+    recent = entry.parent / f".tmp-{entry.name}-recent"
+    recent.mkdir()
+    (recent / npg.WEIGHTS).write_bytes(b"half written")
+    old = entry.parent / f".tmp-{entry.name}-old"
+    old.mkdir()
+    stamp = time.time() - 2 * npg.STALE_BUILD_S
+    os.utime(old, (stamp, stamp))
 
     assert npg.resolve_model(path) == entry
     assert npg.verify_entry(entry)
-    assert (fresh / npg.WEIGHTS).read_bytes() == b"half written"  # ignored, maybe still in use
-    assert not stale.exists()  # a dead build's space is given back
-    leftovers = {p.name for p in entry.parent.iterdir()}
-    assert leftovers == {entry.name, fresh.name}
+    assert (recent / npg.WEIGHTS).read_bytes() == b"half written"  # maybe still in use
+    assert {p.name for p in entry.parent.iterdir()} == {entry.name, recent.name}
+
+
+def test_bad_metadata_is_refused_before_dequantizing(
+    tiny_ggufs: dict, tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The converted config.json goes through the engine's own checks before the weights
+    # are read; nothing is left in the cache.
+    model, _ = tiny_ggufs["qwen2"]
+    path = tmp_path / "bad.gguf"
+    write_gguf(model, "qwen2", path, rms_norm_eps=0.0, num_attention_heads=3)
+
+    def no_dequantizing(*args, **kwargs):
+        raise AssertionError("a tensor was dequantized")
+
+    monkeypatch.setattr(gguf.quants, "dequantize", no_dequantizing)
+    with pytest.raises(ValueError, match=rf"num_key_value_heads \(2\) in the config converted "
+                       rf"from {path} must divide num_attention_heads \(3\)"):
+        npg.resolve_model(path)  # fmt: skip
+    write_gguf(model, "qwen2", path, rms_norm_eps=0.0)
+    with pytest.raises(ValueError, match=r"rms_norm_eps in the config converted from .* must be "
+                       r"a finite number > 0, got 0.0"):
+        npg.resolve_model(path)  # fmt: skip
+    assert list((cache_dir / "gguf").iterdir()) == []
 
 
 def test_changed_file_gets_new_entry(tiny_ggufs: dict, tmp_path: Path) -> None:
