@@ -1,5 +1,7 @@
 """nanopaged: a minimal offline LLM inference engine on PagedAttention."""
 
+from nanopaged.config import EngineArgs
+from nanopaged.engine.llm_engine import LLMEngine
 from nanopaged.inputs import TextPrompt, TokensPrompt
 from nanopaged.llm import LLM
 from nanopaged.outputs import (
@@ -9,10 +11,13 @@ from nanopaged.outputs import (
     Logprob,
     RequestOutput,
 )
-from nanopaged.sampling_params import BeamSearchParams, SamplingParams
+from nanopaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
+    "LLMEngine",
+    "EngineArgs",
+    "RequestOutputKind",
     "SamplingParams",
     "BeamSearchParams",
     "RequestOutput",
