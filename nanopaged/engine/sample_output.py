@@ -1,15 +1,64 @@
-"""What the runner hands back per sampled sequence when a plain token id is not enough, and the
-raw logprobs of a plain step, kept whole for its rows to refer to."""
+"""What the runner hands back per sampled sequence when a plain token id is not enough, the
+raw logprobs of a plain step, kept whole for its rows to refer to, and the error a step raises
+when NaN or infinite logits decided a row's token."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     import numpy as np
 
+    from nanopaged.engine.sequence import Sequence
     from nanopaged.outputs import RawLogprobs
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """Logits that were NaN or infinite at run time decided the tokens of some requests: the
+    step's samples were dropped rather than appended, and the run's requests ended."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        self.request_ids = request_ids
+        names = ", ".join(repr(r) for r in request_ids)
+        super().__init__(
+            f"the logits of request{'s' if len(request_ids) > 1 else ''} {names} were NaN or "
+            "infinite: the model's activations overflowed (float16/bfloat16 overflow, or "
+            "weights that are finite but explode). Try dtype=\"float32\", or check the "
+            "checkpoint's weights"
+        )
+
+
+def check_finite(finite: list[bool], seqs: list[Sequence] | None) -> None:
+    """Raise NonFiniteLogitsError naming the requests of the rows whose flag is False (seqs:
+    each row's sequence; without them rows are named by their index)."""
+    bad = [i for i, ok in enumerate(finite) if not ok]
+    if not bad:
+        return
+    names = [str(i) if seqs is None else seqs[i].request_id for i in bad]
+    raise NonFiniteLogitsError(list(dict.fromkeys(names)))  # each request once (n > 1)
+
+
+def check_sampled_logits(sampled_logits: torch.Tensor, seqs: list[Sequence] | None) -> None:
+    """check_finite over a step's sampled_logits ([rows] on the host, see DeviceSamples)."""
+    finite = torch.isfinite(sampled_logits)
+    if not bool(finite.all()):
+        check_finite(finite.tolist(), seqs)
+
+
+@dataclass
+class DeviceSamples:
+    """A step's tokens sampled on the device, with each row's sampled_logits: the logit its
+    token was drawn at, or under tensor-parallel sharding the score it won with (the logit
+    over the temperature plus noise; a greedy row's logit). NaN in a row's final hidden state
+    makes every logit of the row NaN, and an infinite logit wins the draw, so the value is
+    not finite when NaN or infinite logits decided the token: one value a row, checked on
+    the host, where a pass over the [rows, vocab] logits would cost a share of the step."""
+
+    token_ids: torch.Tensor  # [rows] int64
+    sampled_logits: torch.Tensor  # [rows] float
 
 
 @dataclass
