@@ -30,7 +30,7 @@ from nanopaged.engine.sample_output import (
     DeviceSamples,
     SampleOutput,
     StepLogprobs,
-    check_sampled_logits,
+    check_finite,
 )
 from nanopaged.engine.sampling import (
     SlotSettings,
@@ -78,6 +78,9 @@ class StepHandle:
         self.seqs: list[Sequence] | None = None
         self._host: list[torch.Tensor] = []
         self._sampled_logits: torch.Tensor | None = None  # [num_sampled] on the host
+        # [num_sampled] bool on the host, whether finite logits decided each row's token
+        # (None: not known yet, or checked and all finite).
+        self._finite: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None
         self._logprob_widths: list[int | None] | None = None
         self._logprobs: StepLogprobs | None = None
@@ -113,20 +116,32 @@ class StepHandle:
         handle._host = host
         return handle
 
+    @classmethod
+    def of_outputs(cls, outputs: list[SampleOutput]) -> StepHandle:
+        """A step sampled on the host already (sample_sequences): its outputs, checked as
+        the device's samples are (SampleOutput.finite)."""
+        handle = cls(outputs)
+        handle._finite = torch.tensor([out.finite for out in outputs], dtype=torch.bool)
+        return handle
+
     @property
     def plain(self) -> bool:
         """Bare token ids (not SampleOutputs), kept on the device for the next step."""
         return self.tokens is not None
 
     def result(self) -> list[int] | list[SampleOutput]:
-        """The samples, waiting for the device if needed. Raises NonFiniteLogitsError (every
-        time it is called) when NaN or infinite logits decided a row's token."""
+        """The samples, waiting for the device if needed. Raises NonFiniteLogitsError, at
+        every call, when NaN or infinite logits decided the token of a row that is to be
+        appended (read only now: a sequence that finished meanwhile drops its row)."""
         if self.outputs is None:
             if self._event is not None:
                 self._event.synchronize()
             if self._sampled_logits is not None:
-                check_sampled_logits(self._sampled_logits, self.seqs)
+                self._finite = torch.isfinite(self._sampled_logits)
             self.outputs = self._host[0].tolist()
+        if self._finite is not None:
+            check_finite(self._finite, self.seqs)
+            self._finite = None
         return self.outputs
 
     def logprobs(self) -> StepLogprobs | None:
@@ -633,9 +648,9 @@ class ModelRunner:
     ) -> StepHandle:
         """The step's samples from execute's logits rows (or its tokens, sampled already).
 
-        Every path brings each row's sampled logit back with its token (DeviceSamples), so
-        the step's samples are checked where they are read (StepHandle.result), or here for
-        sample_sequences, which reads them at once."""
+        Every path brings back with each row's token whether finite logits decided it (its
+        sampled logit: DeviceSamples; SampleOutput.finite), checked where the step's samples
+        are read (StepHandle.result)."""
         if logits is None:
             return StepHandle(outputs=[])
         if isinstance(logits, DeviceSamples):  # sampled in the decode graph or in shards
@@ -650,7 +665,7 @@ class ModelRunner:
         if needs_sample_outputs(sampled_seqs):
             outputs = sample_sequences(logits.float(), sampled_seqs, eos_token_ids, pending,
                                        counts)  # fmt: skip
-            return StepHandle(outputs=outputs)
+            return StepHandle.of_outputs(outputs)
         if counts is not None:
             # Penalized rows stay plain (asynchronous): their counts take a pending token
             # from the previous step's samples on the device.

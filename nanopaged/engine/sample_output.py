@@ -31,21 +31,19 @@ class NonFiniteLogitsError(RuntimeError):
         )
 
 
-def check_finite(finite: list[bool], seqs: list[Sequence] | None) -> None:
-    """Raise NonFiniteLogitsError naming the requests of the rows whose flag is False (seqs:
-    each row's sequence; without them rows are named by their index)."""
-    bad = [i for i, ok in enumerate(finite) if not ok]
-    if not bad:
+def check_finite(finite: torch.Tensor, seqs: list[Sequence] | None) -> None:
+    """Raise NonFiniteLogitsError naming the requests of the rows whose flag is False (finite:
+    [rows] bool on the host; seqs: each row's sequence, without them rows are named by their
+    index). A row of a sequence that finished while its step was in flight is dropped
+    unread (Scheduler.postprocess, commit): what it holds is no error."""
+    if bool(finite.all()):
         return
-    names = [str(i) if seqs is None else seqs[i].request_id for i in bad]
-    raise NonFiniteLogitsError(list(dict.fromkeys(names)))  # each request once (n > 1)
-
-
-def check_sampled_logits(sampled_logits: torch.Tensor, seqs: list[Sequence] | None) -> None:
-    """check_finite over a step's sampled_logits ([rows] on the host, see DeviceSamples)."""
-    finite = torch.isfinite(sampled_logits)
-    if not bool(finite.all()):
-        check_finite(finite.tolist(), seqs)
+    bad = (~finite).nonzero()[:, 0].tolist()
+    if seqs is not None:
+        bad = [i for i in bad if not seqs[i].is_finished]
+    if bad:
+        names = [str(i) if seqs is None else seqs[i].request_id for i in bad]
+        raise NonFiniteLogitsError(list(dict.fromkeys(names)))  # each request once (n > 1)
 
 
 @dataclass
@@ -69,12 +67,15 @@ class SampleOutput:
     2 * beam_width best candidates for a beam. logprobs: each token's logprob under the model's
     raw distribution. top_logprobs: per token, the row's top-k logprobs plus that token's.
     top_ranks: per token, the 1-based rank of each token of top_logprobs in the raw distribution.
+    finite: whether finite logits decided the tokens (see DeviceSamples); the step's reader
+    raises NonFiniteLogitsError rather than hand out tokens that are not.
     """
 
     token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
     top_ranks: list[dict[int, int]] | None = None
+    finite: bool = True
 
     def position(self, j: int) -> RawLogprobs:
         """Token j's raw logprobs as a sequence that took it records them: its top_logprobs

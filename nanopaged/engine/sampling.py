@@ -9,7 +9,7 @@ import torch
 import xxhash
 
 from nanopaged.engine.penalty_counts import PenaltyCounts
-from nanopaged.engine.sample_output import SampleOutput, check_finite
+from nanopaged.engine.sample_output import SampleOutput
 from nanopaged.engine.sequence import Sequence
 from nanopaged.layers.backend import backend_for
 from nanopaged.layers.sampler import SamplingTensors, sample
@@ -194,7 +194,7 @@ def sample_sequences(
     A beam gets its 2 * beam_width most likely tokens under the raw distribution. A parent that
     forks into n samples draws n tokens from its row, sample j from its own random stream.
     Logprobs are those of the raw model distribution (before penalties and temperature).
-    Raises NonFiniteLogitsError when NaN or infinite logits decided a row's tokens.
+    An output's `finite` says whether finite logits decided its tokens.
     """
     vocab, dev = logits.shape[-1], logits.device
     want_logprobs = [
@@ -204,9 +204,6 @@ def sample_sequences(
     # raw: [len(seqs), vocab] log-probabilities of the model's own distribution
     raw = logits.log_softmax(dim=-1) if any(want_logprobs) else None
     outputs: list[SampleOutput | None] = [None] * len(seqs)
-    # Per row drawn from, whether finite logits decided its tokens, checked before returning.
-    finite: list[bool] = []
-    finite_seqs: list[Sequence] = []
 
     beam_rows = [i for i, s in enumerate(seqs) if s.group is not None and s.group.is_beam_search]
     if beam_rows:
@@ -214,16 +211,14 @@ def sample_sequences(
         k = min(max(widths), vocab)
         values, tokens = raw[torch.tensor(beam_rows, device=dev)].topk(k, dim=-1)
         values, tokens = values.tolist(), tokens.tolist()
-        # A NaN or infinite logit makes the row's log_softmax NaN, its best candidate too.
-        finite += [math.isfinite(v[0]) for v in values]
-        finite_seqs += [seqs[i] for i in beam_rows]
         for r, i in enumerate(beam_rows):
             w = min(widths[r], vocab)
-            outputs[i] = SampleOutput(token_ids=tokens[r][:w], logprobs=values[r][:w])
+            # A NaN or infinite logit makes the row's log_softmax NaN, its best candidate too.
+            outputs[i] = SampleOutput(token_ids=tokens[r][:w], logprobs=values[r][:w],
+                                      finite=math.isfinite(values[r][0]))  # fmt: skip
 
     rows = [i for i in range(len(seqs)) if outputs[i] is None]
     if not rows:
-        check_finite(finite, finite_seqs)
         return outputs
     row_seqs = [seqs[i] for i in rows]
     sub = logits[torch.tensor(rows, device=dev)] if len(rows) < len(seqs) else logits
@@ -249,11 +244,8 @@ def sample_sequences(
     sampled = sample(sub, st).token_ids
     # Each token's logit (after the controls and penalties) comes back with it, in one copy:
     # not finite when NaN or infinite logits decided it (see DeviceSamples).
-    ok = sub.gather(1, sampled[:, None])[:, 0].isfinite()
-    tokens, flags = torch.stack([sampled, ok.long()]).tolist()
-    finite += [bool(f) for f in flags]
-    finite_seqs += [row_seqs[r] for r in expand]
-    check_finite(finite, finite_seqs)
+    finite = sub.gather(1, sampled[:, None])[:, 0].isfinite()
+    tokens, finite = torch.stack([sampled, finite.long()]).tolist()
 
     lp_rows = [r for r in range(len(expand)) if want_logprobs[rows[expand[r]]]]
     sampled_lp: dict[int, float] = {}
@@ -281,7 +273,8 @@ def sample_sequences(
     for i, k in zip(rows, repeats):
         span = range(start, start + k)
         start += k
-        out = SampleOutput(token_ids=[tokens[e] for e in span])
+        out = SampleOutput(token_ids=[tokens[e] for e in span],
+                           finite=all(finite[e] for e in span))  # fmt: skip
         if want_logprobs[i]:
             out.logprobs = [sampled_lp[e] for e in span]
             out.top_logprobs = [top[e] for e in span]
