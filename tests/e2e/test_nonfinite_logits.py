@@ -22,7 +22,7 @@ from nanopaged import LLM, BeamSearchParams, SamplingParams
 from nanopaged.engine import model_runner
 from nanopaged.engine.sample_output import NonFiniteLogitsError
 
-ENGINE = dict(dtype="float16", kv_cache_memory=1 << 22)
+ENGINE = dict(dtype="float16", device="cpu", kv_cache_memory=1 << 22)
 # layer 0's gate/up weights on dimension 0: their product reaches ~(8 * 300)^2, past 65504.
 POISON_WEIGHT = 300.0
 HEALTHY = [[(11 * i + j) % 480 + 20 for j in range(20 + 3 * i)] for i in range(3)]
@@ -84,7 +84,7 @@ def make_poisoned(path: Path, device: str) -> Poisoned:
     w["model.layers.0.mlp.up_proj.weight"][:, 0] = POISON_WEIGHT
     _save(path, w)
     # Until a token's embedding holds dimension 0, the weights above multiply zeros.
-    llm = LLM(str(path), device=device, **ENGINE)
+    llm = LLM(str(path), **{**ENGINE, "device": device})
     seen = set(ALLOWED) | {t for p in HEALTHY + [DECODE_PROMPT] for t in p}
     # The healthy prompts' greedy runs of the decode tests are longer than PARAMS'.
     longer = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
