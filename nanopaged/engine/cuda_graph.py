@@ -177,6 +177,6 @@ class DecodeGraphs:
         self.sampled_steps[path] += 1
         # The tokens are a copy: the next replay overwrites the buffer, and the step's tokens
         # are read later (the next steps' input ids and penalty counts take them from the
-        # device). The logits are only copied to the host, queued next on this stream, before
-        # any replay: a view.
+        # device). The logits are a view: only their copy to the host reads them, queued on
+        # this stream before any later replay.
         return DeviceSamples(self.tokens[:bs].clone(), self.sampled_logits[:bs])

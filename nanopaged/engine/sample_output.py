@@ -25,9 +25,9 @@ class NonFiniteLogitsError(RuntimeError):
         names = ", ".join(repr(r) for r in request_ids)
         super().__init__(
             f"the logits of request{'s' if len(request_ids) > 1 else ''} {names} were NaN or "
-            "infinite: the model's activations overflowed (float16/bfloat16 overflow, or "
-            "weights that are finite but explode). Try dtype=\"float32\", or check the "
-            "checkpoint's weights"
+            "infinite at run time, most likely an overflow in the model's activations "
+            "(past float16's or bfloat16's range, or weights that are finite but explode): "
+            "try dtype=\"float32\", or check the checkpoint's weights"
         )
 
 

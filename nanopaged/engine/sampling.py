@@ -244,8 +244,8 @@ def sample_sequences(
     sampled = sample(sub, st).token_ids
     # Each token's logit (after the controls and penalties) comes back with it, in one copy:
     # not finite when NaN or infinite logits decided it (see DeviceSamples).
-    finite = sub.gather(1, sampled[:, None])[:, 0].isfinite()
-    tokens, finite = torch.stack([sampled, finite.long()]).tolist()
+    won = sub.gather(1, sampled[:, None])[:, 0]
+    tokens, finite = torch.stack([sampled, won.isfinite().long()]).tolist()
 
     lp_rows = [r for r in range(len(expand)) if want_logprobs[rows[expand[r]]]]
     sampled_lp: dict[int, float] = {}
