@@ -17,6 +17,7 @@ from nanopaged.engine.block_manager import KVStats
 from nanopaged.engine.llm_engine import LLMEngine, StepRates
 from nanopaged.engine.processor import Request
 from nanopaged.engine.request_output import RunningRequest, reports_progress
+from nanopaged.engine.sample_output import NonFiniteLogitsError
 from nanopaged.engine.sequence import SequenceStatus
 from nanopaged.inputs import PromptInput
 from nanopaged.outputs import BeamSearchOutput, BeamSearchSequence, LazyLogprobs, RequestOutput
@@ -196,7 +197,11 @@ class LLM:
         bar = tqdm(total=len(running), desc="Processed prompts", disable=not use_tqdm)
         try:
             while num_left:
-                grown, finished = engine.run_step()
+                try:
+                    grown, finished = engine.run_step()
+                except NonFiniteLogitsError as e:  # name the requests as the caller does
+                    names = [f"prompts[{index[r]}]" for r in e.request_ids if r in index]
+                    raise NonFiniteLogitsError(e.request_ids, names or None) from None
                 finished = [r for r in finished if r.request_id in index]
                 num_left -= len(finished)
                 if use_tqdm:

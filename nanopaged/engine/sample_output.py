@@ -20,11 +20,14 @@ class NonFiniteLogitsError(RuntimeError):
     """Logits that were NaN or infinite at run time decided the tokens of some requests: the
     step's samples were dropped rather than appended, and the run's requests ended."""
 
-    def __init__(self, request_ids: list[str]) -> None:
+    def __init__(self, request_ids: list[str], names: list[str] | None = None) -> None:
+        """names: how to call the requests in the message (default: 'request <id>')."""
         self.request_ids = request_ids
-        names = ", ".join(repr(r) for r in request_ids)
+        if names is None:
+            s = "s" if len(request_ids) > 1 else ""
+            names = [f"request{s} " + ", ".join(repr(r) for r in request_ids)]
         super().__init__(
-            f"the logits of request{'s' if len(request_ids) > 1 else ''} {names} were NaN or "
+            f"the logits of {', '.join(names)} were NaN or "
             "infinite at run time, most likely an overflow in the model's activations "
             "(past float16's or bfloat16's range, or weights that are finite but explode): "
             "try dtype=\"float32\", or check the checkpoint's weights"

@@ -152,6 +152,8 @@ def test_nan_rows_raise_naming_their_requests(poisoned, monkeypatch, name):
         llm.generate(prompts, params, use_tqdm=False)
     assert sorted(err.value.request_ids) == sorted(ids[tuple(prompts[i])] for i in (1, 3))
     assert 'dtype="float32"' in str(err.value)
+    assert str(err.value).startswith("the logits of prompts[") and all(
+        f"prompts[{i}]" in str(err.value) for i in (1, 3))
     _assert_idle(llm)
     assert _healthy(llm, params) == _healthy(_fresh(poisoned), params)
 
@@ -182,7 +184,7 @@ def test_logits_turning_nan_mid_decode(poisoned, monkeypatch, async_scheduling):
     # The run stopped at the first step with NaN logits; with asynchronous scheduling the
     # step launched on top of it (NaN too: it read that step's KV) was dropped unread.
     failed = [h for h, exc in read if exc is not None]
-    assert failed == [read[-1][0]] and read[-1][1] is err.value
+    assert failed == [read[-1][0]] and read[-1][1].request_ids == err.value.request_ids
     if async_scheduling:
         assert launched[-1][1] is failed[0]
         assert launched[-1][0] not in [h for h, _ in read]
