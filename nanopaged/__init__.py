@@ -1,5 +1,8 @@
 """nanopaged: a minimal offline LLM inference engine on PagedAttention."""
 
+from nanopaged.config import EngineArgs
+from nanopaged.engine.llm_engine import LLMEngine
+from nanopaged.engine.sample_output import NonFiniteLogitsError
 from nanopaged.inputs import TextPrompt, TokensPrompt
 from nanopaged.llm import LLM
 from nanopaged.outputs import (
@@ -9,10 +12,14 @@ from nanopaged.outputs import (
     Logprob,
     RequestOutput,
 )
-from nanopaged.sampling_params import BeamSearchParams, SamplingParams
+from nanopaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
+    "LLMEngine",
+    "EngineArgs",
+    "RequestOutputKind",
+    "NonFiniteLogitsError",
     "SamplingParams",
     "BeamSearchParams",
     "RequestOutput",

@@ -76,13 +76,23 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, model_dir: Path) -> ModelConfig:
-        """The model directory's config.json, checked (see from_hf_config), with the
-        eos_token_id of its generation_config.json when that file sets one."""
+    def from_dir(cls, model_dir: Path, overrides: dict | None = None) -> ModelConfig:
+        """The model directory's config.json with overrides' fields over its own (vLLM's
+        hf_overrides), checked (see from_hf_config), with the eos_token_id of its
+        generation_config.json when that file sets one."""
         path = model_dir / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model directory {model_dir}")
-        config = cls.from_hf_config(_read_json_object(path), path)
+        cfg = _read_json_object(path)
+        if overrides is not None:
+            if not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides):
+                raise TypeError(
+                    "hf_overrides must be a dict of config.json field names to values, "
+                    f"got {type(overrides).__name__}"
+                )
+            cfg = {**cfg, **overrides}
+            path = f"{path} (with hf_overrides {sorted(overrides)})"
+        config = cls.from_hf_config(cfg, path)
         gen_path = model_dir / "generation_config.json"
         if gen_path.is_file():
             gen = _read_json_object(gen_path)
@@ -504,3 +514,67 @@ class EngineConfig:
             )
         if self.preemption_mode == "swap" and self.swap_space <= 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory)")
+
+
+def _arg(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class EngineArgs:
+    """Everything an engine is built from, as LLM's keyword arguments (vLLM's EngineArgs):
+    LLM(**dataclasses.asdict(args)), LLM.from_engine_args(args), LLMEngine.from_engine_args(args);
+    add_cli_args/from_cli_args make a command line of them."""
+
+    model: str | None = _arg(None, "HF model directory or .gguf file (default: embedded SmolLM2)")
+    tokenizer: str | None = _arg(None, "tokenizer directory (default: the model's)")
+    tokenizer_mode: str = _arg("auto", "'auto' (fast where one exists) or 'slow'")
+    dtype: str = _arg("auto", "auto, float32, bfloat16 or float16")
+    device: str = _arg("auto", "auto, cpu or cuda[:N]")
+    max_model_len: int | None = _arg(None, "longest prompt + output (default: the model's)")
+    max_num_seqs: int = _arg(256, "most sequences in one step")
+    max_num_batched_tokens: int = _arg(16384, "most tokens in one step (prefill chunk size)")
+    block_size: int = _arg(16, "KV block size in tokens, a power of two >= 8")
+    enable_prefix_caching: bool = _arg(True, "reuse KV blocks of identical prefixes")
+    kv_cache_memory: int | None = _arg(None, "bytes for the KV cache (default: see README)")
+    gpu_memory_utilization: float = _arg(0.9, "share of GPU memory the engine may use")
+    enforce_eager: bool = _arg(False, "no CUDA graphs")
+    seed: int = _arg(0, "seed of the stream that unseeded sampled requests draw from")
+    preemption_mode: str = _arg("recompute", "recompute or swap")
+    swap_space: float = _arg(4.0, "GiB of CPU memory for swapped-out KV blocks")
+    async_scheduling: bool | None = _arg(None, "plan step N+1 while N runs (default: on CUDA)")
+    tensor_parallel_size: int = _arg(1, "GPUs (or CPU processes) the model is split over")
+    trust_remote_code: bool = _arg(False, "must stay False: no code from a model directory")
+    quantization: str | None = _arg(None, "None, or 'gguf' for a .gguf model")
+    generation_config: str = _arg("auto", "'auto' (the model's), 'vllm' or a directory")
+    load_format: str = _arg("auto", "'auto' (the checkpoint) or 'dummy' (random weights)")
+    kv_cache_dtype: str = _arg("auto", "auto, fp8, fp8_e4m3 or fp8_e5m2")
+    calculate_kv_scales: bool = _arg(False, "8-bit KV scales from the first forward pass")
+    max_logprobs: int = _arg(20, "most logprobs / prompt_logprobs a request may ask (-1: no cap)")
+    enable_chunked_prefill: bool | None = _arg(None, "always on in nanopaged (True or None)")
+    task: str = _arg("auto", "'auto' or 'generate'")
+    disable_log_stats: bool = _arg(True, "accepted; nanopaged logs no periodic stats")
+    hf_overrides: dict | None = _arg(None, "config.json fields to override (a JSON object)")
+
+    @classmethod
+    def add_cli_args(cls, parser):
+        """Add a --flag for every field to an argparse parser (or argument group); returns it."""
+        import argparse
+
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            kwargs: dict[str, Any] = dict(default=f.default, help=f.metadata["help"], dest=f.name)
+            kind = f.type.replace(" | None", "")
+            if kind == "bool":
+                kwargs["action"] = argparse.BooleanOptionalAction
+            elif kind == "dict":
+                kwargs["type"] = json.loads
+            else:
+                kwargs["type"] = {"int": int, "float": float, "str": str}[kind]
+            parser.add_argument(flag, **kwargs)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args) -> EngineArgs:
+        """The EngineArgs of an argparse Namespace made by a parser add_cli_args filled."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

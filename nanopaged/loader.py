@@ -79,7 +79,8 @@ def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor, Pa
         with _reading(path) as f:
             for name in f.keys():
                 tensor = f.get_tensor(name)
-                if not name.endswith(_IGNORED_SUFFIXES) and not _all_finite(tensor):
+                checked = not name.endswith(_IGNORED_SUFFIXES) and not _KV_SCALE_NAME.search(name)
+                if checked and not _all_finite(tensor):  # KV scales have checks of their own
                     raise ValueError(
                         f"weight {name!r} in {path} holds NaN or infinite values: the "
                         "checkpoint is damaged (every logit computed through it would be NaN)"

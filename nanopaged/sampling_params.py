@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
@@ -19,6 +20,16 @@ def _check_int(name: str, value: object) -> None:
 def _check_number(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+
+
+class RequestOutputKind(enum.Enum):
+    """What LLMEngine.step() (and LLM.generate_iter(partial=True)) reports of a running request
+    (vLLM's names): CUMULATIVE, everything so far at every step; DELTA, only what is new since
+    the last report; FINAL_ONLY, nothing until it finishes. generate() returns finals only."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -44,6 +55,7 @@ class SamplingParams:
     penalties; logprobs stay those of the raw distribution.
     truncate_prompt_tokens: keep only the last k prompt tokens (-1: the last max_model_len).
     extra_args: a dict kept on the params for the caller's own use; nanopaged reads nothing in it.
+    output_kind: what partial outputs report (RequestOutputKind).
     """
 
     n: int = 1
@@ -70,6 +82,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     best_of: int | None = None
     extra_args: dict | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         for name in ("n", "top_k", "min_tokens"):
@@ -84,6 +97,11 @@ class SamplingParams:
             _check_int("best_of", self.best_of)
             if self.best_of < self.n:
                 raise ValueError(f"best_of must be >= n ({self.n}) or None, got {self.best_of}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise TypeError(
+                "output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), "
+                f"got {self.output_kind!r}"
+            )
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise TypeError(
                 f"extra_args must be a dict or None, got {type(self.extra_args).__name__}"

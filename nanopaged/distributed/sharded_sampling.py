@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from nanopaged.engine.sample_output import DeviceSamples
 from nanopaged.engine.sampling import needs_sample_outputs, row_stream
 from nanopaged.layers.backend import backend_for
 
@@ -60,10 +61,11 @@ def pick_across_shards(scores: torch.Tensor, token_ids: torch.Tensor) -> torch.T
 
 def sample_shards(
     local_logits: torch.Tensor, vocab_start: int, settings: np.ndarray, tp: TensorParallel
-) -> torch.Tensor | None:
+) -> DeviceSamples | None:
     """Collective: every rank samples its logits [rows, n] (token ids vocab_start.. of the
     vocabulary) by the step's settings (settings_array); rank 0 gets the rows' token ids
-    [rows] int64, the other ranks None."""
+    [rows] int64 and the scores they won with (not finite where NaN or infinite logits
+    decided the row: a NaN row scores NaN greedily and -inf sampled), the other ranks None."""
     device = local_logits.device
     rows = local_logits.shape[0]
     s = torch.from_numpy(settings).to(device, non_blocking=True)
@@ -85,5 +87,7 @@ def sample_shards(
     if gathered is None:
         return None
     per_rank = gathered.view(rows, tp.size, 2).transpose(0, 1)  # [size, rows, 2]
-    return pick_across_shards(per_rank[..., 0].to(torch.int32).view(torch.float32),
-                              per_rank[..., 1])  # fmt: skip
+    shard_scores = per_rank[..., 0].to(torch.int32).view(torch.float32)  # [size, rows]
+    # amax is NaN where a shard's score is, as argmax then picks that shard: the winner's.
+    return DeviceSamples(pick_across_shards(shard_scores, per_rank[..., 1]),
+                         shard_scores.amax(dim=0))  # fmt: skip

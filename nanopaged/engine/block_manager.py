@@ -353,6 +353,17 @@ class BlockManager:
             self.hash_to_block[h] = block_id
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
+    def reset_prefix_cache(self, in_use_too: bool = False) -> bool:
+        """Forget every cached block (e.g. after the weights changed); False, and nothing
+        forgotten, while some block is in use, unless in_use_too (blocks in use then keep
+        their contents but are never hit again)."""
+        if self.num_used_blocks and not in_use_too:
+            return False
+        self.hash_to_block.clear()
+        self.block_hashes = [None] * self.num_blocks
+        self.block_keys = [None] * self.num_blocks
+        return True
+
     def free_all(self) -> None:
         """Drop every reference at once, e.g. after an aborted step; cached blocks stay hittable.
 

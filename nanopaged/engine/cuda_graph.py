@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from nanopaged.engine.sample_output import DeviceSamples
 from nanopaged.engine.sampling import SlotSettings
 from nanopaged.kernels.paged_decode import longest_first
 from nanopaged.layers.attention import AttentionMetadata
@@ -32,9 +33,10 @@ class DecodeGraphs:
     padded rows get slot -1 and context 0: they store nothing and read nothing.
 
     With lm_head (hidden [rows, hidden_size] -> logits [rows, vocab]), each bucket also holds
-    one captured sampler per path of SAMPLER_PATHS: hidden -> logits -> token ids, reading its
-    per-row settings from `slots` (persistent; padded rows greedy). A step that samples in the
-    graph replays its forward and then its sampler, with no Python in between.
+    one captured sampler per path of SAMPLER_PATHS: hidden -> logits -> token ids and each
+    token's logit (DeviceSamples), reading its per-row settings from `slots` (persistent;
+    padded rows greedy). A step that samples in the graph replays its forward and then its
+    sampler, with no Python in between.
     """
 
     def __init__(
@@ -65,8 +67,10 @@ class DecodeGraphs:
         self.hidden = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.slots = SlotSettings(max_bs, device)
-        # The captured samplers' token ids (outside the graphs' pool: no capture reuses them).
+        # The captured samplers' token ids and their logits (outside the graphs' pool: no
+        # capture reuses them).
         self.tokens = torch.zeros(max_bs, dtype=torch.long, device=device)
+        self.sampled_logits = torch.zeros(max_bs, dtype=torch.float32, device=device)
         self.samplers: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.sampled_steps: Counter[str] = Counter()  # per sampler path: steps sampled here
 
@@ -116,7 +120,10 @@ class DecodeGraphs:
     def _sample(self, bs: int, st: SamplingTensors) -> None:
         # The LM head runs as in eager steps (cuBLAS): the skinny kernel is tuned for the
         # layers' shapes, not a 150k-row vocabulary.
-        self.tokens[:bs] = sample(self.lm_head(self.hidden[:bs]), st).token_ids
+        logits = self.lm_head(self.hidden[:bs])
+        tokens = sample(logits, st).token_ids
+        self.tokens[:bs] = tokens
+        self.sampled_logits[:bs] = logits.gather(1, tokens[:, None])[:, 0]
 
     def can_run(self, batch_size: int) -> bool:
         return bool(self.graphs) and batch_size <= self.batch_sizes[-1]
@@ -134,10 +141,10 @@ class DecodeGraphs:
         context_lens: np.ndarray,
         pending: tuple[torch.Tensor | None, torch.Tensor] | None = None,
         sampling: SamplingTensors | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | DeviceSamples:
         """One decode step for len(input_ids) sequences; returns hidden [batch, hidden_size],
         or with sampling (settings in self.slots, as sampling_tensors(into=self.slots) wrote
-        them) the sampled token ids [batch] int64.
+        them) the samples: token ids [batch] int64 and their logits [batch] fp32.
 
         pending: (rows, token ids) already on the device that overwrite those input ids; rows
         None: the token ids are all of them, in order.
@@ -168,6 +175,8 @@ class DecodeGraphs:
         path = sampler_path(sampling)
         self.samplers[bucket, path].replay()
         self.sampled_steps[path] += 1
-        # A copy: the next replay overwrites the buffer, and the step's tokens are read later
-        # (the next steps' input ids and penalty counts take them from the device).
-        return self.tokens[:bs].clone()
+        # The tokens are a copy: the next replay overwrites the buffer, and the step's tokens
+        # are read later (the next steps' input ids and penalty counts take them from the
+        # device). The logits are a view: only their copy to the host reads them, queued on
+        # this stream before any later replay.
+        return DeviceSamples(self.tokens[:bs].clone(), self.sampled_logits[:bs])

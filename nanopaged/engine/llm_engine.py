@@ -1,22 +1,53 @@
-"""The step loop: schedule, launch, plan the next step while the device runs, commit."""
+"""The engine (vLLM's LLMEngine): requests in, one step at a time, RequestOutputs out.
+
+add_request checks a request and queues it; step() schedules, launches the forward pass and
+sampling, plans and launches the next step while the device runs (when nothing structural
+needs this one's samples first), commits the samples, checks stop strings, and reports the
+requests that moved; abort_request drops requests and frees their blocks.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
 
-from tqdm.auto import tqdm
+import torch
 
-from nanopaged.distributed.workers import TPWorkers
+from nanopaged.config import (
+    EngineArgs,
+    EngineConfig,
+    ModelConfig,
+    parse_dtype,
+    resolve_kv_cache_dtype,
+)
+from nanopaged.distributed.parallel import check_tp_shapes
+from nanopaged.distributed.workers import TPWorkers, check_device_count
 from nanopaged.engine.block_manager import BlockManager
 from nanopaged.engine.group import SequenceGroup
-from nanopaged.engine.model_runner import ModelRunner, StepHandle
+from nanopaged.engine.model_runner import ModelRunner, StepHandle, kv_bytes_per_block
 from nanopaged.engine.output_processor import StopMatcher
+from nanopaged.engine.processor import InputProcessor, Request
+from nanopaged.engine.request_output import OutputBuilder, RunningRequest, reports_progress
 from nanopaged.engine.scheduler import ScheduledBatch, Scheduler
 from nanopaged.engine.sequence import Sequence
+from nanopaged.engine.startup import (
+    check_engine_args,
+    check_vllm_args,
+    load_tokenizer,
+    resolve_device,
+    resolve_model_dir,
+)
+from nanopaged.generation_config import load_sampling_defaults, resolve_generation_config
+from nanopaged.inputs import PromptInput
+from nanopaged.logits_processors import bad_words_token_ids
+from nanopaged.outputs import RequestOutput
+from nanopaged.sampling_params import BeamSearchParams, SamplingParams
 
-# Steps between collections of the garbage collector's young generations during a run.
+# Steps between collections of the garbage collector's young generations.
 GC_YOUNG_EVERY = 64
 
 
@@ -45,26 +76,279 @@ class StepRates:
 
 
 class LLMEngine:
-    """Runs groups of sequences to completion over one scheduler and one model runner."""
+    """One model, its KV cache, scheduler and tokenizer; runs the requests added to it.
 
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        block_manager: BlockManager,
-        runner: ModelRunner,
-        eos_token_ids: set[int],
-        tokenizer,
-        async_scheduling: bool,
-        workers: TPWorkers | None = None,
+    Not for several threads at once (LLM serializes its calls); under tensor parallelism the
+    worker processes end with the engine (shutdown(), deletion or interpreter exit).
+    """
+
+    def __init__(self, engine_args: EngineArgs) -> None:
+        a = engine_args
+        check_engine_args(a.model, a.trust_remote_code, a.quantization)
+        check_vllm_args(a.enable_chunked_prefill, a.tokenizer_mode, a.task, a.disable_log_stats)
+        self.workers: TPWorkers | None = None
+        self.config = EngineConfig(
+            max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            block_size=a.block_size,
+            enable_prefix_caching=a.enable_prefix_caching,
+            kv_cache_memory=a.kv_cache_memory,
+            gpu_memory_utilization=a.gpu_memory_utilization,
+            enforce_eager=a.enforce_eager,
+            seed=a.seed,
+            max_model_len=a.max_model_len,
+            preemption_mode=a.preemption_mode,
+            swap_space=a.swap_space,
+            async_scheduling=a.async_scheduling,
+            tensor_parallel_size=a.tensor_parallel_size,
+            load_format=a.load_format,
+            kv_cache_dtype=a.kv_cache_dtype,
+            calculate_kv_scales=a.calculate_kv_scales,
+            max_logprobs=a.max_logprobs,
+        )
+        requested_dtype = parse_dtype(a.dtype)
+        self.device = resolve_device(a.device)
+        # A dtype the device cannot hold is an error before anything loads.
+        fp8_dtype = resolve_kv_cache_dtype(a.kv_cache_dtype, self.device)
+        self.async_scheduling = (
+            self.device.type == "cuda" if a.async_scheduling is None else a.async_scheduling
+        )
+        # A GGUF converts into a cache entry holding the dtype the model will run in: the
+        # one asked for, else float32 on CPU (exact) and bfloat16 on CUDA, as "auto" picks
+        # for a float32 checkpoint below.
+        gguf_dtype = requested_dtype
+        if gguf_dtype is None:
+            gguf_dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        self.model_dir = resolve_model_dir(a.model, gguf_dtype)
+        self.model_config = ModelConfig.from_dir(self.model_dir, a.hf_overrides)
+        gen_path = resolve_generation_config(a.generation_config, self.model_dir)
+        sampling_defaults = load_sampling_defaults(gen_path)
+        try:
+            SamplingParams(**sampling_defaults)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{gen_path}: {e}") from None
+        limit = self.model_config.max_position_embeddings
+        if a.max_model_len is not None and a.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len must be <= the model's max_position_embeddings ({limit}), "
+                f"got {a.max_model_len}"
+            )
+        self.max_model_len = a.max_model_len or limit
+        if requested_dtype is not None:
+            self.dtype = requested_dtype
+        elif self.device.type == "cpu":
+            self.dtype = torch.float32  # CPUs rarely have fast half-precision matmuls
+        else:
+            cfg_dtype = self.model_config.dtype
+            self.dtype = torch.bfloat16 if cfg_dtype == torch.float32 else cfg_dtype
+        self.kv_cache_dtype = self.dtype if fp8_dtype is None else fp8_dtype
+        if a.tokenizer is not None and not isinstance(a.tokenizer, (str, Path)):
+            raise TypeError(
+                f"tokenizer must be a path (str or os.PathLike) or None, "
+                f"got {type(a.tokenizer).__name__}"
+            )
+        self.tokenizer = load_tokenizer(
+            Path(a.tokenizer) if a.tokenizer else self.model_dir,
+            use_fast=a.tokenizer_mode == "auto",
+        )
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        tok_eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
+        if tok_eos is not None:
+            vocab = self.model_config.vocab_size
+            if not 0 <= tok_eos < vocab:
+                raise ValueError(
+                    f"the tokenizer's eos_token_id {tok_eos} is outside the model's vocabulary "
+                    f"[0, {vocab}): the tokenizer does not belong to this model"
+                )
+            self.eos_token_ids.add(tok_eos)
+        num_cpu_blocks = 0
+        if self.config.preemption_mode == "swap":
+            per_block = kv_bytes_per_block(self.model_config, a.block_size, self.kv_cache_dtype)
+            num_cpu_blocks = int(self.config.swap_space * 2**30) // per_block
+            if num_cpu_blocks == 0:
+                raise ValueError(
+                    f"swap_space={a.swap_space} GiB holds no KV block ({per_block} bytes "
+                    "each); raise swap_space"
+                )
+        runner_kwargs = dict(
+            model_dir=self.model_dir,
+            model_config=self.model_config,
+            engine_config=self.config,
+            max_model_len=self.max_model_len,
+            dtype=self.dtype,
+            load_format=a.load_format,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+        if a.tensor_parallel_size > 1:
+            c = self.model_config
+            moe = {"moe_intermediate_size": c.moe_intermediate_size,
+                   "shared_expert_intermediate_size": c.shared_expert_intermediate_size}
+            check_tp_shapes(c.num_heads, c.num_kv_heads, c.intermediate_size,
+                            a.tensor_parallel_size, moe if c.num_experts else None)  # fmt: skip
+            check_device_count(a.tensor_parallel_size, self.device)
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", 0)  # rank r runs on cuda:r
+            self.workers = TPWorkers(a.tensor_parallel_size, self.device, runner_kwargs)
+            # Workers end with this engine: on shutdown(), deletion or interpreter exit.
+            self._finalizer = weakref.finalize(self, self.workers.shutdown)
+        try:
+            self.runner = ModelRunner(
+                **runner_kwargs,
+                device=self.device,
+                tp=self.workers.tp if self.workers else None,
+                workers=self.workers,
+            )
+            if num_cpu_blocks:
+                self.runner.allocate_swap_space(num_cpu_blocks)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.shutdown(abort=True)  # they may wait in a collective for us
+            raise
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, a.block_size, self.config.enable_prefix_caching,
+            num_cpu_blocks,
+        )  # fmt: skip
+        self.scheduler = Scheduler(
+            self.block_manager,
+            a.max_num_seqs,
+            a.max_num_batched_tokens,
+            self.max_model_len,
+            self.eos_token_ids,
+            self.config.preemption_mode,
+        )
+        self.processor = InputProcessor(
+            self.tokenizer, self.model_dir, self.model_config, self.config, self.max_model_len,
+            self.eos_token_ids, self.block_manager, sampling_defaults,
+            self.device.type == "cuda",
+        )  # fmt: skip
+        self.output_builder = OutputBuilder(self.tokenizer)
+        self.stop_matcher = StopMatcher(self.tokenizer)
+        self.requests: dict[str, RunningRequest] = {}
+        self.rates = StepRates()
+        # A launched step planned before its predecessor's samples were known.
+        self._in_flight: tuple[ScheduledBatch, StepHandle] | None = None
+        self._num_steps = 0
+        self._num_request_ids = 0
+        self._num_drawn_seeds = 0
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        """The engine engine_args describe (vLLM's name)."""
+        return cls(engine_args)
+
+    def get_tokenizer(self):
+        """The Hugging Face tokenizer in use (None for a model without one)."""
+        return self.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any; the engine cannot run afterwards."""
+        if self.workers is not None:
+            self.workers.shutdown(abort=not self.workers.alive)
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None
     ) -> None:
-        self.scheduler = scheduler
-        self.block_manager = block_manager
-        self.runner = runner
-        self.eos_token_ids = eos_token_ids
-        self.tokenizer = tokenizer
-        self.stop_matcher = StopMatcher(tokenizer)
-        self.async_scheduling = async_scheduling
-        self.workers = workers
+        """Check one request and queue it; a refused request is a ValueError/TypeError and
+        nothing is queued. params=None: the model's default SamplingParams."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already running; ids must be unique")
+        if isinstance(params, BeamSearchParams):
+            raise TypeError("params must be a SamplingParams; beam search is LLM.beam_search")
+        [request] = self.processor.requests([prompt], None if params is None else [params])
+        self.add(request_id, request)
+
+    def add(
+        self, request_id: str, request: Request, beam_params: BeamSearchParams | None = None
+    ) -> RunningRequest:
+        """Queue a checked request under request_id."""
+        p = request.params
+        group_params = p
+        if (p.best_of or p.n) > p.n and p.logprobs is None:
+            # best_of ranks the samples by cumulative_logprob, which logprobs=0 sets
+            group_params = dataclasses.replace(p, logprobs=0)
+        seq = Sequence(request.token_ids, group_params, request_id=request_id)
+        if p.seed is not None:
+            seq.seed = p.seed
+        elif not p.greedy:
+            seq.seed = self._draw_seed()
+        if p.bad_words:
+            seq.bad_words_token_ids = bad_words_token_ids(p.bad_words, self.tokenizer)
+        group = SequenceGroup(request_id, seq, beam_params=beam_params)
+        running = RunningRequest(request_id, request.prompt, p, group)
+        self.requests[request_id] = running
+        self.scheduler.add(group)
+        return running
+
+    def new_request_id(self) -> str:
+        """A request id no running request has."""
+        while str(self._num_request_ids) in self.requests:
+            self._num_request_ids += 1
+        self._num_request_ids += 1
+        return str(self._num_request_ids - 1)
+
+    def _draw_seed(self) -> int:
+        """The seed of a sampled request that has none: the next of a stream derived from the
+        engine's seed, so the same calls on a new engine reproduce the same samples."""
+        import xxhash
+
+        self._num_drawn_seeds += 1
+        return xxhash.xxh64_intdigest(f"{self.config.seed}/{self._num_drawn_seeds}".encode())
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Drop requests (ids not running are ignored) and free their blocks; a step already
+        on the device drops their tokens."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            running = self.requests.pop(rid, None)
+            if running is not None:
+                self.scheduler.abort(running.group)
+        if not self.requests:
+            self._drain()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget the prefix cache; False (nothing forgotten) while requests hold blocks,
+        unless reset_running_requests (their blocks are then never hit again)."""
+        return self.block_manager.reset_prefix_cache(reset_running_requests)
+
+    # ---- steps ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; the outputs of the requests that finished in it and, as their
+        SamplingParams.output_kind asks, of those that got tokens."""
+        grown, finished = self.run_step()
+        build = self.output_builder.build
+        return [build(r, streaming=True) for r in grown if reports_progress(r.params)] + [
+            build(r, streaming=True) for r in finished
+        ]
+
+    def run_step(self) -> tuple[list[RunningRequest], list[RunningRequest]]:
+        """One step: (requests that got tokens and still run, requests that finished); the
+        finished ones leave the engine. On any error or interruption every request is
+        dropped and every block freed, so the engine stays usable."""
+        # No full garbage collection inside a step: one walks every object of the process
+        # (the model's, the tokenizer's, the logprob rows), 0.3-0.4 s at a time in a
+        # logprobs run. The young generations are collected every GC_YOUNG_EVERY steps.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self._num_steps += 1
+            if collecting and self._num_steps % GC_YOUNG_EVERY == 0:
+                gc.collect(1)
+            return self._step()
+        except BaseException:
+            self._abort_all()
+            raise
+        finally:
+            if collecting:
+                gc.enable()
 
     def may_run_ahead(self, batch: ScheduledBatch, handle: StepHandle) -> bool:
         """The one decision: may the next step be planned and launched before this one's
@@ -74,92 +358,66 @@ class LLMEngine:
         and the next step scores none of their positions: they hold nothing back."""
         return self.async_scheduling and handle.plain and self.scheduler.can_look_ahead(batch)
 
-    def run(self, groups: list[SequenceGroup], use_tqdm: bool) -> None:
-        """Run every group to completion; on any error or interruption nothing stays held."""
-        for _ in self.run_iter(groups, use_tqdm):
-            pass
+    def _step(self) -> tuple[list[RunningRequest], list[RunningRequest]]:
+        if self._in_flight is None:
+            if not self.scheduler.has_unfinished():
+                return [], []
+            batch = self.scheduler.schedule()
+            if not batch.seqs:
+                raise RuntimeError("the scheduler could not make progress")  # invariant
+            handle = self.runner.launch(batch, self.eos_token_ids)
+        else:
+            (batch, handle), self._in_flight = self._in_flight, None
+        # A decode row computes the last sampled token; prompts are prefill, however short.
+        num_decode = sum(
+            1
+            for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)
+            if n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == len(seq) - 1
+        )
+        if self.may_run_ahead(batch, handle):
+            # Plan and launch the next step while this one runs on the device.
+            self.scheduler.advance(batch)
+            following = self.scheduler.schedule()
+            if following.seqs:
+                launched = self.runner.launch(following, self.eos_token_ids, prev=handle)
+                self._in_flight = (following, launched)
+            step = self.scheduler.commit(
+                batch, handle.result(), handle.logprobs(), handle.prompt_logprobs()
+            )
+        else:
+            step = self.scheduler.postprocess(
+                batch, handle.result(), handle.logprobs(), handle.prompt_logprobs()
+            )
+        stopped = self._check_stop_strings(step.grown)
+        self.rates.add(batch.total_tokens - num_decode, num_decode)
+        # Two samples of one request can both stop here: each request once.
+        done = {g.request_id: g for g in step.finished_groups}
+        done.update((s.group.request_id, s.group) for s in stopped if s.group.is_finished)
+        finished = [self.requests.pop(rid) for rid in done if rid in self.requests]
+        grown_ids = dict.fromkeys(s.group.request_id for s in step.grown)
+        grown = [self.requests[rid] for rid in grown_ids if rid in self.requests]
+        if not self.requests:
+            self._drain()
+        return grown, finished
 
-    def run_iter(self, groups: list[SequenceGroup], use_tqdm: bool) -> Iterator[SequenceGroup]:
-        """Run every group to completion, yielding each as it finishes. Closing the iterator
-        early (break, an error, Ctrl-C) aborts the groups left and frees their blocks."""
-        bar = tqdm(total=len(groups), desc="Processed prompts", disable=not use_tqdm, leave=True)
-        rates = StepRates()
-        # No full garbage collection while the run lasts: one walks every object of the
-        # process (the model's, the tokenizer's, the run's logprob rows), a 0.3-0.4 s pause
-        # at a time in a logprobs run. The young generations are collected every
-        # GC_YOUNG_EVERY steps instead; automatic collection is back as it was while the
-        # caller holds control (between yields) and afterwards.
-        collecting = gc.isenabled()
-        gc.disable()
-        num_loops = 0
-        try:
-            self.block_manager.reset_peaks()
-            for group in groups:
-                self.scheduler.add(group)
-            in_flight = None  # a launched step planned before its predecessor's samples
-            while in_flight is not None or self.scheduler.has_unfinished():
-                num_loops += 1
-                if collecting and num_loops % GC_YOUNG_EVERY == 0:
-                    gc.collect(1)
-                if in_flight is None:
-                    batch = self.scheduler.schedule()
-                    if not batch.seqs:
-                        raise RuntimeError("the scheduler could not make progress")  # invariant
-                    handle = self.runner.launch(batch, self.eos_token_ids)
-                else:
-                    (batch, handle), in_flight = in_flight, None
-                # A decode row computes the last sampled token; prompts are prefill, however short.
-                num_decode = sum(
-                    1
-                    for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)
-                    if n == 1
-                    and seq.num_output_tokens > 0
-                    and seq.num_computed_tokens == len(seq) - 1
-                )
-                num_prefill = batch.total_tokens - num_decode
-                if self.may_run_ahead(batch, handle):
-                    # Plan and launch the next step while this one runs on the device.
-                    self.scheduler.advance(batch)
-                    following = self.scheduler.schedule()
-                    if following.seqs:
-                        in_flight = (
-                            following,
-                            self.runner.launch(following, self.eos_token_ids, prev=handle),
-                        )
-                    step = self.scheduler.commit(
-                        batch, handle.result(), handle.logprobs(), handle.prompt_logprobs()
-                    )
-                else:
-                    step = self.scheduler.postprocess(
-                        batch, handle.result(), handle.logprobs(), handle.prompt_logprobs()
-                    )
-                stopped = self._check_stop_strings(step.grown)
-                # Two samples of one request can both stop here: each request once.
-                done = {id(g): g for g in step.finished_groups}
-                done.update((id(s.group), s.group) for s in stopped if s.group.is_finished)
-                rates.add(num_prefill, num_decode)
-                if use_tqdm:
-                    bar.set_postfix_str(rates.describe(), refresh=False)
-                if done:
-                    bar.update(len(done))
-                    if collecting:
-                        gc.enable()
-                    yield from done.values()
-                    gc.disable()
-        except BaseException:
-            # Interrupted or failed mid-step: give every block back so the LLM stays usable.
-            self.scheduler.abort_all()
-            # No request outlives this call, so no block may stay held, even one that a step
-            # cut short left outside the scheduler's lists.
-            self.block_manager.free_all()
-            if self.workers is not None:
-                # A step cut short leaves the workers out of step; a worker's error wins.
-                self.workers.after_error()
-            raise
-        finally:
-            if collecting:
-                gc.enable()
-            bar.close()
+    def _drain(self) -> None:
+        """Wait out a step launched ahead whose sequences have all ended: its tokens are
+        dropped, and nothing of it may still be copying when the engine goes idle."""
+        if self._in_flight is not None:
+            (_, handle), self._in_flight = self._in_flight, None
+            handle.result()
+
+    def _abort_all(self) -> None:
+        """After a failed or interrupted step: drop every request and free every block."""
+        self._in_flight = None
+        self.requests.clear()
+        self.scheduler.abort_all()
+        # No request outlives this, so no block may stay held, even one that a step cut
+        # short left outside the scheduler's lists.
+        self.block_manager.free_all()
+        if self.workers is not None:
+            # A step cut short leaves the workers out of step; a worker's error wins.
+            self.workers.after_error()
 
     def _check_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
         """Finish sequences whose text now holds a stop string; returns those it finished."""

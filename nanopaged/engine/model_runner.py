@@ -26,7 +26,12 @@ from nanopaged.engine.prompt_logprobs import (
     rows_per_chunk,
     score_prompt_rows,
 )
-from nanopaged.engine.sample_output import SampleOutput, StepLogprobs
+from nanopaged.engine.sample_output import (
+    DeviceSamples,
+    SampleOutput,
+    StepLogprobs,
+    check_finite,
+)
 from nanopaged.engine.sampling import (
     SlotSettings,
     mask_early_stops,
@@ -61,14 +66,21 @@ class StepHandle:
 
     A plain step's raw logprobs (for the rows that asked for them) come back the same way, in
     the same asynchronous copy as its tokens; so do the prompt logprobs of the prompt rows it
-    scored (prompt).
+    scored (prompt), and each row's sampled logit, which result() checks before it hands out a
+    token (NonFiniteLogitsError).
     """
 
     def __init__(self, outputs: list | None = None) -> None:
         self.outputs = outputs
         self.prompt: PromptScores | None = None
         self.tokens: torch.Tensor | None = None  # [num_sampled] int64 on the device
+        # The sequence of each sampled row: names the requests of rows that fail the check.
+        self.seqs: list[Sequence] | None = None
         self._host: list[torch.Tensor] = []
+        self._sampled_logits: torch.Tensor | None = None  # [num_sampled] on the host
+        # [num_sampled] bool on the host, whether finite logits decided each row's token
+        # (None: not known yet, or checked and all finite).
+        self._finite: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None
         self._logprob_widths: list[int | None] | None = None
         self._logprobs: StepLogprobs | None = None
@@ -79,22 +91,37 @@ class StepHandle:
         tokens: torch.Tensor,
         logprobs: tuple[torch.Tensor, ...] | None = None,
         widths: list[int | None] | None = None,
+        sampled_logits: torch.Tensor | None = None,
     ) -> StepHandle:
         """tokens: [rows]; logprobs: (sampled [rows], top values [rows, k], top ids [rows, k],
-        sampled token's rank [rows]); widths: per row, the top-k it asked for (None: none)."""
+        sampled token's rank [rows]); widths: per row, the top-k it asked for (None: none);
+        sampled_logits: [rows], see DeviceSamples (None: nothing to check)."""
         handle = cls()
         handle.tokens = tokens
         handle._logprob_widths = widths
         tensors = [tokens, *(logprobs or ())]
+        if sampled_logits is not None:
+            tensors.append(sampled_logits)
         if tokens.is_cuda:
+            host = []
             for t in tensors:
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
-                handle._host.append(host)
+                host.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
+                host[-1].copy_(t, non_blocking=True)
             handle._event = torch.cuda.Event()
             handle._event.record()
         else:
-            handle._host = tensors
+            host = tensors
+        if sampled_logits is not None:
+            handle._sampled_logits = host.pop()
+        handle._host = host
+        return handle
+
+    @classmethod
+    def of_outputs(cls, outputs: list[SampleOutput]) -> StepHandle:
+        """A step sampled on the host already (sample_sequences): its outputs, checked as
+        the device's samples are (SampleOutput.finite)."""
+        handle = cls(outputs)
+        handle._finite = torch.tensor([out.finite for out in outputs], dtype=torch.bool)
         return handle
 
     @property
@@ -103,11 +130,18 @@ class StepHandle:
         return self.tokens is not None
 
     def result(self) -> list[int] | list[SampleOutput]:
-        """The samples, waiting for the device if needed."""
+        """The samples, waiting for the device if needed. Raises NonFiniteLogitsError, at
+        every call, when NaN or infinite logits decided the token of a row that is to be
+        appended (read only now: a sequence that finished meanwhile drops its row)."""
         if self.outputs is None:
             if self._event is not None:
                 self._event.synchronize()
+            if self._sampled_logits is not None:
+                self._finite = torch.isfinite(self._sampled_logits)
             self.outputs = self._host[0].tolist()
+        if self._finite is not None:
+            check_finite(self._finite, self.seqs)
+            self._finite = None
         return self.outputs
 
     def logprobs(self) -> StepLogprobs | None:
@@ -600,24 +634,28 @@ class ModelRunner:
         logits, prompt = self.execute(step, prev, in_graph)
         if self.workers is not None:
             self.workers.step_done()
-        handle = self._sampled(logits, step, sampled_seqs, in_graph, prev, eos_token_ids)
+        handle = self._sampled(logits, sampled_seqs, prev, eos_token_ids)
         handle.prompt = prompt
+        handle.seqs = sampled_seqs
         return handle
 
     def _sampled(
         self,
-        logits: torch.Tensor | None,
-        step: StepInputs,
+        logits: torch.Tensor | DeviceSamples | None,
         sampled_seqs: list[Sequence],
-        in_graph: SamplingTensors | None,
         prev: StepHandle | None,
         eos_token_ids: set[int],
     ) -> StepHandle:
-        """The step's samples from execute's logits rows (or its token ids, sampled already)."""
+        """The step's samples from execute's logits rows (or its tokens, sampled already).
+
+        Every path brings back with each row's token whether finite logits decided it (its
+        sampled logit: DeviceSamples; SampleOutput.finite), checked where the step's samples
+        are read (StepHandle.result)."""
         if logits is None:
             return StepHandle(outputs=[])
-        if step.samples_sharded or in_graph is not None:  # sampled already: token ids
-            return StepHandle.copy_to_host(logits)
+        if isinstance(logits, DeviceSamples):  # sampled in the decode graph or in shards
+            return StepHandle.copy_to_host(logits.token_ids,
+                                           sampled_logits=logits.sampled_logits)  # fmt: skip
         pending = None if prev is None else prev.tokens
         counts = None
         if any(s.sampling_params.has_penalties for s in sampled_seqs):
@@ -627,7 +665,7 @@ class ModelRunner:
         if needs_sample_outputs(sampled_seqs):
             outputs = sample_sequences(logits.float(), sampled_seqs, eos_token_ids, pending,
                                        counts)  # fmt: skip
-            return StepHandle(outputs=outputs)
+            return StepHandle.of_outputs(outputs)
         if counts is not None:
             # Penalized rows stay plain (asynchronous): their counts take a pending token
             # from the previous step's samples on the device.
@@ -636,7 +674,8 @@ class ModelRunner:
         widths = [s.sampling_params.logprobs for s in sampled_seqs]
         if all(w is None for w in widths):
             tokens = sample(logits, self._sampling_tensors(sampled_seqs)).token_ids
-            return StepHandle.copy_to_host(tokens)
+            picked = logits.gather(1, tokens[:, None])[:, 0]
+            return StepHandle.copy_to_host(tokens, sampled_logits=picked)
         # Raw logprobs in the same pass; no row here is masked (see needs_sample_outputs).
         k = min(max(w or 0 for w in widths), logits.shape[-1])
         out = sample(logits, self._sampling_tensors(sampled_seqs), k, need_logprobs=True)
@@ -645,7 +684,7 @@ class ModelRunner:
         top_v = out.top_logprobs if k else out.logprobs[:, None][:, :0]
         top_i = out.top_token_ids if k else out.token_ids[:, None][:, :0]
         logprobs = (out.logprobs, top_v, top_i, ranks)
-        return StepHandle.copy_to_host(out.token_ids, logprobs, widths)
+        return StepHandle.copy_to_host(out.token_ids, logprobs, widths, picked[:, 0])
 
     def _step_inputs(self, batch: ScheduledBatch) -> StepInputs:
         """The step's host arrays, built from the batch's sequences."""
@@ -705,13 +744,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, step: StepInputs, prev: StepHandle | None, sampling: SamplingTensors | None = None
-    ) -> tuple[torch.Tensor | None, PromptScores | None]:
+    ) -> tuple[torch.Tensor | DeviceSamples | None, PromptScores | None]:
         """Block ops and the forward pass of one step, then its prompt rows scored (every rank
         takes part). On rank 0: its logits rows to sample ([rows, vocab] in the model's dtype:
         the sampler reads them as they are, and bf16/fp16 -> fp32 is exact), or the rows'
-        sampled token ids when step.samples_sharded or with sampling (from _graph_sampling:
-        sampled inside the decode graph), None when nothing samples; and the prompt rows'
-        results (None without any). Other ranks get (None, None)."""
+        samples when step.samples_sharded or with sampling (from _graph_sampling: sampled
+        inside the decode graph), None when nothing samples; and the prompt rows' results
+        (None without any). Other ranks get (None, None)."""
         # Swaps and copy-on-write copies go before the forward (and outside any CUDA graph).
         run_block_ops(
             self.kv_cache,
@@ -722,7 +761,7 @@ class ModelRunner:
         )
         pending = self._pending_tensors(step, prev)
         if self._graph_decode(step):
-            hidden = self.graphs.run(
+            out = self.graphs.run(
                 step.input_ids,
                 step.positions,
                 step.slots,
@@ -731,8 +770,9 @@ class ModelRunner:
                 pending=pending,
                 sampling=sampling,
             )
-            if sampling is not None:
-                return hidden, None  # token ids; no prompt row (see _graph_sampling)
+            if isinstance(out, DeviceSamples):
+                return out, None  # sampled in the graph; no prompt row (see _graph_sampling)
+            hidden = out
         else:
             positions, meta = self._device_metadata(
                 dict(positions=step.positions, slots=step.slots, tables=step.tables,

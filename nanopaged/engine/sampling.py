@@ -3,6 +3,8 @@ penalties, logit controls. Plain steps keep the runner's fast path, which return
 
 from __future__ import annotations
 
+import math
+
 import torch
 import xxhash
 
@@ -192,6 +194,7 @@ def sample_sequences(
     A beam gets its 2 * beam_width most likely tokens under the raw distribution. A parent that
     forks into n samples draws n tokens from its row, sample j from its own random stream.
     Logprobs are those of the raw model distribution (before penalties and temperature).
+    An output's `finite` says whether finite logits decided its tokens.
     """
     vocab, dev = logits.shape[-1], logits.device
     want_logprobs = [
@@ -210,7 +213,9 @@ def sample_sequences(
         values, tokens = values.tolist(), tokens.tolist()
         for r, i in enumerate(beam_rows):
             w = min(widths[r], vocab)
-            outputs[i] = SampleOutput(token_ids=tokens[r][:w], logprobs=values[r][:w])
+            # A NaN or infinite logit makes the row's log_softmax NaN, its best candidate too.
+            outputs[i] = SampleOutput(token_ids=tokens[r][:w], logprobs=values[r][:w],
+                                      finite=math.isfinite(values[r][0]))  # fmt: skip
 
     rows = [i for i in range(len(seqs)) if outputs[i] is None]
     if not rows:
@@ -236,7 +241,11 @@ def sample_sequences(
     if len(expand) > len(rows):
         sub = sub[torch.tensor(expand, device=dev)]
     st = sampling_tensors(params, seeds, offsets, dev)
-    tokens = sample(sub, st).token_ids.tolist()
+    sampled = sample(sub, st).token_ids
+    # Each token's logit (after the controls and penalties) comes back with it, in one copy:
+    # not finite when NaN or infinite logits decided it (see DeviceSamples).
+    won = sub.gather(1, sampled[:, None])[:, 0]
+    tokens, finite = torch.stack([sampled, won.isfinite().long()]).tolist()
 
     lp_rows = [r for r in range(len(expand)) if want_logprobs[rows[expand[r]]]]
     sampled_lp: dict[int, float] = {}
@@ -264,7 +273,8 @@ def sample_sequences(
     for i, k in zip(rows, repeats):
         span = range(start, start + k)
         start += k
-        out = SampleOutput(token_ids=[tokens[e] for e in span])
+        out = SampleOutput(token_ids=[tokens[e] for e in span],
+                           finite=all(finite[e] for e in span))  # fmt: skip
         if want_logprobs[i]:
             out.logprobs = [sampled_lp[e] for e in span]
             out.top_logprobs = [top[e] for e in span]

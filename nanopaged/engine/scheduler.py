@@ -485,24 +485,29 @@ class Scheduler:
         if group is not None and group.is_finished and group in self.running:
             self.running.remove(group)
 
-    def abort_all(self) -> list[SequenceGroup]:
-        """Drop every queued, running and swapped group, freeing their blocks."""
-        dropped = list(self.running) + list(self.swapped) + list(self.waiting)
-        for group in self.running:
-            for seq in group.seqs_with_status(SequenceStatus.RUNNING):
+    def abort(self, group: SequenceGroup) -> None:
+        """Drop one group wherever it is (queued, running or swapped), freeing its blocks; its
+        unfinished sequences end with finish_reason "abort"."""
+        for seq in group.seqs:
+            if seq.status == SequenceStatus.RUNNING:
                 self.block_manager.free(seq)
-        for group in self.swapped:
-            for seq in group.seqs_with_status(SequenceStatus.SWAPPED):
+            elif seq.status == SequenceStatus.SWAPPED:
                 for cpu_id in seq.block_table:
                     self.block_manager.cpu_pool.decref(cpu_id)
                 seq.block_table = []
-        for group in dropped:
-            for seq in group.seqs:
+            if not seq.is_finished:
                 seq.status = SequenceStatus.FINISHED
-            group.beams_done = True
-        self.running.clear()
-        self.swapped.clear()
-        self.waiting.clear()
+                seq.finish_reason = "abort"
+        group.beams_done = True
+        for queue in (self.running, self.swapped, self.waiting):
+            if group in queue:
+                queue.remove(group)
+
+    def abort_all(self) -> list[SequenceGroup]:
+        """Drop every queued, running and swapped group, freeing their blocks."""
+        dropped = list(self.running) + list(self.swapped) + list(self.waiting)
+        for group in dropped:
+            self.abort(group)
         return dropped
 
 

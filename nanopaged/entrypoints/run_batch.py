@@ -31,8 +31,9 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from nanopaged.config import KV_CACHE_DTYPES
+from nanopaged.engine.processor import text_parts_joined
 from nanopaged.inputs import TokensPrompt, check_unicode
-from nanopaged.llm import LLM, _text_parts_joined
+from nanopaged.llm import LLM
 from nanopaged.outputs import CompletionOutput, RequestOutput
 from nanopaged.sampling_params import SamplingParams
 
@@ -283,7 +284,7 @@ def _record(custom_id: str | None, status: int, body: dict | None, error: str | 
 # ---- running -------------------------------------------------------------------------------
 def _chat_token_ids(llm: LLM, messages: list) -> list[int]:
     """The prompt token ids LLM.chat makes of one conversation."""
-    conv = _text_parts_joined(messages)
+    conv = text_parts_joined(messages)
     if not all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
         for m in conv
@@ -315,10 +316,10 @@ def checked_prompt(llm: LLM, req: BatchRequest) -> TokensPrompt:
     else:
         prompt = req.body["prompt"]
     try:
-        _, (token_ids,), _ = llm._requests([prompt], [req.params])
+        [request] = llm.llm_engine.processor.requests([prompt], [req.params])
     except (ValueError, TypeError) as e:
         raise BadRequest(str(e).replace("prompts[0]", "the prompt")) from None
-    return TokensPrompt(prompt_token_ids=token_ids)
+    return TokensPrompt(prompt_token_ids=request.token_ids)
 
 
 def read_requests(

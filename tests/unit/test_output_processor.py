@@ -148,33 +148,31 @@ def test_stop_string_in_a_multibyte_character_waits_for_it(byte_tokenizer):
 
 
 def test_token_decoder_decodes_new_tokens_once_in_a_batch(byte_tokenizer, monkeypatch):
-    import nanopaged.llm
-    from nanopaged.llm import LLM
+    import nanopaged.engine.request_output as request_output
+    from nanopaged.engine.request_output import OutputBuilder
 
     tok = byte_tokenizer
-    llm = LLM.__new__(LLM)  # only the tokenizer and its cache are used
-    llm.tokenizer, llm._decoded_tokens = tok, {}
+    builder = OutputBuilder(tok)
     batches = []
 
     def spy(tokenizer, token_lists, skip_special_tokens):
         batches.append(token_lists)
         return decode_batch(tokenizer, token_lists, skip_special_tokens)
 
-    monkeypatch.setattr(nanopaged.llm, "decode_batch", spy)
+    monkeypatch.setattr(request_output, "decode_batch", spy)
     rng = random.Random(3)
     ids = _random_ids(tok, rng, 40) + [tok.eos_token_id] * 2
     ids += ids[:5]  # repeated tokens
-    decoder = llm._token_decoder()
+    decoder = builder.token_decoder()
     assert decoder(ids) == [tok.decode([t]) for t in ids]
     assert len(batches) == 1 and sorted(t for [t] in batches[0]) == sorted(set(ids))
     # Memoized across calls and decoders: only tokens not seen before are decoded.
     more = ids[:10] + [t for t in range(len(tok)) if t not in ids][:3]
-    assert llm._token_decoder()(more) == [tok.decode([t]) for t in more]
+    assert builder.token_decoder()(more) == [tok.decode([t]) for t in more]
     assert len(batches) == 2 and sorted(t for [t] in batches[1]) == sorted(more[10:])
-    assert llm._token_decoder()(ids) == [tok.decode([t]) for t in ids]
+    assert builder.token_decoder()(ids) == [tok.decode([t]) for t in ids]
     assert len(batches) == 2
-    llm.tokenizer = None
-    assert llm._token_decoder() is None
+    assert OutputBuilder(None).token_decoder() is None
 
 
 def _step_hits(find, tok, ids: list[int], stops: list[str], steps: list[int], **kwargs):

@@ -1,0 +1,108 @@
+"""What an engine is built from, resolved and checked before anything loads: the model path,
+the device, the engine arguments vLLM scripts pass, the tokenizer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def resolve_model_dir(
+    model: str | os.PathLike | None, gguf_dtype: torch.dtype | None = None
+) -> Path:
+    """The model directory: a HF directory as it is, a .gguf file converted (cached), None
+    for the embedded SmolLM2."""
+    from nanopaged.gguf import resolve_model
+
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise TypeError(
+            f"model must be a path (str or os.PathLike) or None, got {type(model).__name__}"
+        )
+    return resolve_model(model, gguf_dtype)
+
+
+def check_engine_args(model: object, trust_remote_code: object, quantization: object) -> None:
+    """vLLM engine arguments nanopaged takes only in the values it supports."""
+    if trust_remote_code is not False:
+        raise ValueError(
+            f"trust_remote_code must be False, got {trust_remote_code!r}: nanopaged runs only its "
+            "own model code and never imports code shipped beside a model"
+        )
+    is_gguf = isinstance(model, (str, os.PathLike)) and str(model).endswith(".gguf")
+    if quantization is not None and not (
+        isinstance(quantization, str) and quantization.lower() == "gguf" and is_gguf
+    ):
+        raise ValueError(
+            f"quantization={quantization!r} is not supported: use None (the checkpoint's "
+            "dtype) or a .gguf model file (quantization='gguf' or None)"
+        )
+
+
+def check_vllm_args(
+    enable_chunked_prefill: object, tokenizer_mode: object, task: object, disable_log_stats: object
+) -> None:
+    """vLLM arguments that name what nanopaged always does (or ask for what it does not)."""
+    if enable_chunked_prefill not in (None, True):
+        raise ValueError(
+            f"enable_chunked_prefill must be True or None, got {enable_chunked_prefill!r}: "
+            "nanopaged always splits long prompts into chunks of max_num_batched_tokens"
+        )
+    if tokenizer_mode not in ("auto", "slow"):
+        raise ValueError(
+            f"tokenizer_mode must be 'auto' (the fast tokenizer where one exists) or 'slow', "
+            f"got {tokenizer_mode!r}"
+        )
+    if task not in ("auto", "generate"):
+        raise ValueError(
+            f"task must be 'auto' or 'generate', got {task!r}: nanopaged runs generative "
+            "models only"
+        )
+    if not isinstance(disable_log_stats, bool):
+        raise TypeError(
+            f"disable_log_stats must be a bool, got {type(disable_log_stats).__name__} "
+            "(nanopaged logs no periodic stats either way)"
+        )
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """"auto": CUDA when available, else the CPU; a device that does not exist is an error."""
+    if isinstance(device, str) and device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA device is available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(
+            f"device {device!r} does not exist: this machine has "
+            f"{torch.cuda.device_count()} CUDA device(s)"
+        )
+    return dev
+
+
+def load_tokenizer(path: Path, use_fast: bool = True):
+    """The Hugging Face tokenizer in path (None for a model directory without one)."""
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer path {str(path)!r} does not exist")
+    if path.is_dir() and not any((path / f).exists() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        # Local files only, and never code shipped beside the model (auto_map).
+        return AutoTokenizer.from_pretrained(
+            str(path), trust_remote_code=False, local_files_only=True, use_fast=use_fast
+        )
+    except Exception as e:  # transformers raises its own and huggingface_hub's kinds
+        raise ValueError(
+            f"cannot load the tokenizer in {path} (nanopaged never runs code from a model "
+            f"directory): {type(e).__name__}: {e}"
+        ) from e
