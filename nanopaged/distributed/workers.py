@@ -9,11 +9,11 @@ driver turns that (or a worker that just dies) into a WorkerError raised by the 
 collective or step. Workers ignore Ctrl-C (the driver decides), exit when their pipe closes or
 their parent dies, and are stopped by TPWorkers.shutdown (at the latest at interpreter exit).
 
-Workers start the way vLLM's do (worker_start_method): forked, so nothing of the caller's main
-module runs again and a script needs no `if __name__ == "__main__":`, unless this process holds
-a CUDA context a child cannot use; then spawned, which imports the main module again and so
-needs that guard (checked before anything starts). NANOPAGED_WORKER_MULTIPROC_METHOD=fork or
-spawn picks one.
+How workers start (worker_start_method): on a machine without CUDA devices they are forked, so
+nothing of the caller's main module runs again and a script needs no `if __name__ ==
+"__main__":`; with CUDA devices they are spawned (a forked child cannot use CUDA once this
+process has queried it), which imports the main module again and so needs that guard (checked
+before anything starts). NANOPAGED_WORKER_MULTIPROC_METHOD=fork or spawn picks one.
 """
 
 from __future__ import annotations
@@ -369,8 +369,8 @@ def _leave_group(abort: bool) -> None:
 
 # ---- how workers start, and how they end at exit -------------------------------------------
 def worker_start_method() -> tuple[str, str]:
-    """How workers start, and why: NANOPAGED_WORKER_MULTIPROC_METHOD if set, else fork on
-    Linux unless this process has initialised CUDA (a forked child cannot use it), else spawn."""
+    """How workers start, and why: NANOPAGED_WORKER_MULTIPROC_METHOD if set, else fork on a
+    Linux machine without CUDA devices, else spawn."""
     forced = os.environ.get(START_METHOD_ENV)
     if forced:
         if forced not in START_METHODS:
@@ -382,8 +382,11 @@ def worker_start_method() -> tuple[str, str]:
         return forced, f"{START_METHOD_ENV}={forced}"
     if sys.platform != "linux":
         return "spawn", f"fork is not used on {sys.platform}"
-    if torch.cuda.is_initialized():
-        return "spawn", "CUDA is already initialised in this process"
+    # Not only an initialised CUDA: once this process has asked the CUDA runtime anything
+    # (torch.cuda.is_available(), which device="auto" calls), a forked child cannot initialise
+    # CUDA at all, and that cannot be seen from here. device_count() asks NVML, not CUDA.
+    if torch.cuda.device_count() > 0:
+        return "spawn", "this machine has CUDA devices, which a forked worker cannot use"
     return "fork", "the default"
 
 
