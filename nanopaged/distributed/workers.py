@@ -43,6 +43,9 @@ from nanopaged.engine.step_inputs import StepInputs
 # kernels or capturing CUDA graphs while another waits. A dead worker is noticed at once.
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 STARTUP_TIMEOUT_S = 120.0
+# How long a shutdown waits for another thread's step to issue its collectives before it stops
+# the workers anyway (a step stuck on a dead worker ends sooner, through the worker's error).
+STEP_WAIT_S = 60.0
 # Test hook: "RANK:STEP" makes worker RANK raise at its STEP-th step (0-based).
 FAULT_ENV = "NANOPAGED_TP_FAULT"
 
@@ -76,8 +79,15 @@ class TPWorkers:
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.error: WorkerError | None = None
         self._failed = threading.Event()
+        # _closed: no step may start; _step_open: a published step's collectives are not all
+        # issued yet; _out_of_step: a step broke off, so the workers may wait in a collective.
+        # The condition guards them and the sends, so that a shutdown from another thread (at
+        # interpreter exit, with a generate running in a daemon thread) waits for the step
+        # under way instead of taking the group and the workers away under it.
         self._closed = False
         self._step_open = False
+        self._out_of_step = False
+        self._steps = threading.Condition()
         # Set by rank 0's ModelRunner, a weak reference to its method that drops its CUDA
         # graphs (they hold NCCL work).
         self.before_leave: weakref.WeakMethod | None = None
@@ -214,6 +224,7 @@ class TPWorkers:
 
     # ---- steps --------------------------------------------------------------------------
     def _send(self, buf: bytes) -> None:
+        """Send buf to every worker; the caller holds self._steps."""
         if self.error is not None:
             raise self.error
         if self._closed:
@@ -230,21 +241,31 @@ class TPWorkers:
 
     def publish(self, step: StepInputs) -> None:
         """Send the step to every worker; they run it while rank 0 runs its own share."""
-        self._send(np.concatenate(([_STEP], step.pack())).astype(np.int64).tobytes())
-        self._step_open = True
+        buf = np.concatenate(([_STEP], step.pack())).astype(np.int64).tobytes()
+        with self._steps:
+            self._send(buf)
+            self._step_open = True
 
     def step_done(self) -> None:
         """Rank 0 has issued every collective of the published step."""
-        self._step_open = False
+        with self._steps:
+            self._step_open = False
+            self._steps.notify_all()
 
     def allocate_swap_space(self, num_blocks: int) -> None:
-        self._send(np.array([_SWAP_SPACE, num_blocks], dtype=np.int64).tobytes())
+        with self._steps:
+            self._send(np.array([_SWAP_SPACE, num_blocks], dtype=np.int64).tobytes())
 
     def after_error(self) -> None:
         """The driver's step loop failed: stop the workers unless they are still in step with
         rank 0 (an error between steps leaves them usable). When a worker failed, its error is
         the one to raise, whatever rank 0 saw (an aborted NCCL kernel, say)."""
-        if self._step_open or self.error is not None:
+        with self._steps:
+            broke_off = self._step_open
+            self._out_of_step |= broke_off
+            self._step_open = False
+            self._steps.notify_all()
+        if broke_off or self.error is not None:
             self.shutdown(abort=True)
         if self.error is not None:
             raise self.error
@@ -253,9 +274,13 @@ class TPWorkers:
     def shutdown(self, abort: bool = False) -> None:
         """Stop every worker and leave the process group; idempotent. abort: kill at once (a
         worker may be stuck in a collective rank 0 will never join)."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._steps:
+            if self._closed:
+                return
+            self._closed = True
+            if not abort and self._step_open:  # another thread's step is under way
+                self._steps.wait_for(lambda: not self._step_open, timeout=STEP_WAIT_S)
+            abort = abort or self._step_open or self._out_of_step
         _live_workers.discard(self)
         # Only live workers can leave the group together with rank 0.
         orderly = not abort and self.error is None and all(p.is_alive() for p in self.procs)
