@@ -63,7 +63,7 @@ class TPWorkers:
     """Ranks 1..N-1 of a tensor-parallel group, seen from rank 0 (the caller's process)."""
 
     def __init__(self, size: int, device: torch.device, runner_kwargs: dict) -> None:
-        """Spawn the workers, wait for them, and join the process group as rank 0.
+        """Start the workers, wait for them, and join the process group as rank 0.
 
         runner_kwargs: ModelRunner's arguments except device, tp and workers.
         """
@@ -124,7 +124,10 @@ class TPWorkers:
                 wait_for_workers=False,
             )  # fmt: skip
             for conn in self.conns:
-                conn.send(self._store.port)
+                try:
+                    conn.send(self._store.port)
+                except OSError:
+                    pass  # the worker is gone: _wait_ready says how
             self._wait_ready()
             dist.init_process_group(
                 self.backend, store=self._store, rank=0, world_size=size,
@@ -465,8 +468,8 @@ def _shutdown_live_workers() -> None:
 # At exit, multiprocessing terminates daemonic children (SIGTERM) from a hook registered when it
 # was imported, which runs before every hook registered earlier: weakref.finalize's (and with
 # it the LLM's), if a finalizer existed before multiprocessing was imported. Workers killed so
-# leave rank 0 in a group with dead peers (NCCL then aborts the process at exit). This hook,
-# registered after multiprocessing's (imported above), runs before it and shuts them down.
+# leave rank 0 in a group with dead peers. This hook, registered after multiprocessing's
+# (imported above), runs before it and shuts them down in order.
 atexit.register(_shutdown_live_workers)
 
 

@@ -28,7 +28,7 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("llama-procs"), "llama", vocab_size=2048)
 
 
-def _run(script: str, tmp_path, env: dict | None = None, timeout: float = 180):
+def _run(script: str, tmp_path, env: dict | None = None, timeout: float = 120):
     path = tmp_path / "script.py"
     path.write_text(script)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **(env or {}))
