@@ -1,4 +1,4 @@
-"""Tensor-parallel worker processes: rank 0 is the caller's process, ranks 1..N-1 are spawned.
+"""Tensor-parallel worker processes: rank 0 is the caller's process, ranks 1..N-1 are its children.
 
 Every step rank 0 sends each worker one packed int64 buffer (StepInputs) over a pipe; the
 worker runs the same forward pass on its heads, and the ranks meet in the model's all-reduces
@@ -7,14 +7,24 @@ worker runs the same forward pass on its heads, and the ranks meet in the model'
 A worker that fails sends its traceback over the same pipe and exits; a monitor thread in the
 driver turns that (or a worker that just dies) into a WorkerError raised by the driver's next
 collective or step. Workers ignore Ctrl-C (the driver decides), exit when their pipe closes or
-their parent dies, and are stopped by TPWorkers.shutdown.
+their parent dies, and are stopped by TPWorkers.shutdown (at the latest at interpreter exit).
+
+How workers start (worker_start_method): on a machine without CUDA devices they are forked, so
+nothing of the caller's main module runs again and a script needs no `if __name__ ==
+"__main__":`; with CUDA devices they are spawned (a forked child cannot use CUDA once this
+process has queried it), which imports the main module again and so needs that guard (checked
+before anything starts). NANOPAGED_WORKER_MULTIPROC_METHOD=fork or spawn picks one.
 """
 
 from __future__ import annotations
 
+import ast
+import atexit
+import linecache
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -33,8 +43,14 @@ from nanopaged.engine.step_inputs import StepInputs
 # kernels or capturing CUDA graphs while another waits. A dead worker is noticed at once.
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 STARTUP_TIMEOUT_S = 120.0
+# How long a shutdown waits for another thread's step to issue its collectives before it stops
+# the workers anyway (a step stuck on a dead worker ends sooner, through the worker's error).
+STEP_WAIT_S = 60.0
 # Test hook: "RANK:STEP" makes worker RANK raise at its STEP-th step (0-based).
 FAULT_ENV = "NANOPAGED_TP_FAULT"
+
+START_METHOD_ENV = "NANOPAGED_WORKER_MULTIPROC_METHOD"
+START_METHODS = ("fork", "spawn")
 
 _STEP, _SWAP_SPACE, _STOP = 0, 1, 2
 
@@ -47,7 +63,7 @@ class TPWorkers:
     """Ranks 1..N-1 of a tensor-parallel group, seen from rank 0 (the caller's process)."""
 
     def __init__(self, size: int, device: torch.device, runner_kwargs: dict) -> None:
-        """Spawn the workers, wait for them, and join the process group as rank 0.
+        """Start the workers, wait for them, and join the process group as rank 0.
 
         runner_kwargs: ModelRunner's arguments except device, tp and workers.
         """
@@ -56,12 +72,22 @@ class TPWorkers:
                 "one tensor-parallel LLM per process at a time: shut the other down first "
                 "(LLM.shutdown(), or `with LLM(...) as llm:`)"
             )
+        method, reason = worker_start_method()
+        if method == "spawn":
+            _check_main_module_guarded(reason)
         self.size = size
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.error: WorkerError | None = None
         self._failed = threading.Event()
+        # _closed: no step may start; _step_open: a published step's collectives are not all
+        # issued yet; _out_of_step: a step broke off, so the workers may wait in a collective.
+        # The condition guards them and the sends, so that a shutdown from another thread (at
+        # interpreter exit, with a generate running in a daemon thread) waits for the step
+        # under way instead of taking the group and the workers away under it.
         self._closed = False
         self._step_open = False
+        self._out_of_step = False
+        self._steps = threading.Condition()
         # Set by rank 0's ModelRunner, a weak reference to its method that drops its CUDA
         # graphs (they hold NCCL work).
         self.before_leave: weakref.WeakMethod | None = None
@@ -69,12 +95,10 @@ class TPWorkers:
             # On a collective error NCCL's watchdog would by default kill the whole process,
             # i.e. the caller's: only abort the communicator, so a WorkerError can be raised.
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        ctx = mp.get_context("spawn")  # fork would copy a CUDA context and our threads
-        store = dist.TCPStore(
-            "127.0.0.1", 0, size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
-            wait_for_workers=False,
-        )  # fmt: skip
-        self._store = store
+        ctx = mp.get_context(method)
+        forked = method == "fork"
+        self._store: dist.TCPStore | None = None
+        self._monitor: threading.Thread | None = None
         self.procs: list[mp.Process] = []
         self.conns: list[Connection] = []
         try:
@@ -82,8 +106,10 @@ class TPWorkers:
                 ours, theirs = ctx.Pipe(duplex=True)
                 proc = ctx.Process(
                     target=_worker_main,
-                    args=(rank, size, store.port, self.backend, runner_kwargs, theirs,
-                          os.getpid()),
+                    # A forked worker closes its copies of the earlier workers' pipe ends:
+                    # each worker must see EOF when rank 0 goes.
+                    args=(rank, size, self.backend, runner_kwargs, theirs, os.getpid(),
+                          forked, tuple(self.conns) if forked else ()),
                     name=f"nanopaged-tp-rank{rank}",
                     daemon=True,
                 )  # fmt: skip
@@ -91,13 +117,26 @@ class TPWorkers:
                 theirs.close()
                 self.procs.append(proc)
                 self.conns.append(ours)
+            # Made once the workers exist, so that no forked worker holds a copy of its
+            # listening socket; they learn its port over their pipes.
+            self._store = dist.TCPStore(
+                "127.0.0.1", 0, size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
+                wait_for_workers=False,
+            )  # fmt: skip
+            for conn in self.conns:
+                try:
+                    conn.send(self._store.port)
+                except OSError:
+                    pass  # the worker is gone: _wait_ready says how
             self._wait_ready()
             dist.init_process_group(
-                self.backend, store=store, rank=0, world_size=size, timeout=COLLECTIVE_TIMEOUT
-            )
+                self.backend, store=self._store, rank=0, world_size=size,
+                timeout=COLLECTIVE_TIMEOUT,
+            )  # fmt: skip
         except BaseException:
             self.shutdown(abort=True)
             raise
+        _live_workers.add(self)
         self._guard = _CollectiveGuard(self)
         self.tp = TensorParallel(0, size, dist.group.WORLD, self._collective_failed,
                                  guard=self._guard)  # fmt: skip
@@ -188,6 +227,7 @@ class TPWorkers:
 
     # ---- steps --------------------------------------------------------------------------
     def _send(self, buf: bytes) -> None:
+        """Send buf to every worker; the caller holds self._steps."""
         if self.error is not None:
             raise self.error
         if self._closed:
@@ -204,21 +244,31 @@ class TPWorkers:
 
     def publish(self, step: StepInputs) -> None:
         """Send the step to every worker; they run it while rank 0 runs its own share."""
-        self._send(np.concatenate(([_STEP], step.pack())).astype(np.int64).tobytes())
-        self._step_open = True
+        buf = np.concatenate(([_STEP], step.pack())).astype(np.int64).tobytes()
+        with self._steps:
+            self._send(buf)
+            self._step_open = True
 
     def step_done(self) -> None:
         """Rank 0 has issued every collective of the published step."""
-        self._step_open = False
+        with self._steps:
+            self._step_open = False
+            self._steps.notify_all()
 
     def allocate_swap_space(self, num_blocks: int) -> None:
-        self._send(np.array([_SWAP_SPACE, num_blocks], dtype=np.int64).tobytes())
+        with self._steps:
+            self._send(np.array([_SWAP_SPACE, num_blocks], dtype=np.int64).tobytes())
 
     def after_error(self) -> None:
         """The driver's step loop failed: stop the workers unless they are still in step with
         rank 0 (an error between steps leaves them usable). When a worker failed, its error is
         the one to raise, whatever rank 0 saw (an aborted NCCL kernel, say)."""
-        if self._step_open or self.error is not None:
+        with self._steps:
+            broke_off = self._step_open
+            self._out_of_step |= broke_off
+            self._step_open = False
+            self._steps.notify_all()
+        if broke_off or self.error is not None:
             self.shutdown(abort=True)
         if self.error is not None:
             raise self.error
@@ -227,10 +277,16 @@ class TPWorkers:
     def shutdown(self, abort: bool = False) -> None:
         """Stop every worker and leave the process group; idempotent. abort: kill at once (a
         worker may be stuck in a collective rank 0 will never join)."""
-        if self._closed:
-            return
-        self._closed = True
-        orderly = not abort and self.error is None
+        with self._steps:
+            if self._closed:
+                return
+            self._closed = True
+            if not abort and self._step_open:  # another thread's step is under way
+                self._steps.wait_for(lambda: not self._step_open, timeout=STEP_WAIT_S)
+            abort = abort or self._step_open or self._out_of_step
+        _live_workers.discard(self)
+        # Only live workers can leave the group together with rank 0.
+        orderly = not abort and self.error is None and all(p.is_alive() for p in self.procs)
         tp = getattr(self, "tp", None)  # None while the workers are still starting
         if tp is not None and not orderly:
             tp.abort()  # rank 0's queued peer all-reduces must not wait for killed workers
@@ -255,9 +311,14 @@ class TPWorkers:
             if proc.is_alive():
                 proc.kill()
             proc.join(timeout=5.0)
+        # The monitor sees _closed and the workers' ends within one wait; it must be gone
+        # before the pipes it waits on are closed.
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=5.0)
         for conn in self.conns:
             conn.close()
         _leave_group(abort=True)
+        self._store = None  # its server thread ends with it
 
     @property
     def alive(self) -> bool:
@@ -334,6 +395,84 @@ def _leave_group(abort: bool) -> None:
             pass
 
 
+# ---- how workers start, and how they end at exit -------------------------------------------
+def worker_start_method() -> tuple[str, str]:
+    """How workers start, and why: NANOPAGED_WORKER_MULTIPROC_METHOD if set, else fork on a
+    Linux machine without CUDA devices, else spawn."""
+    forced = os.environ.get(START_METHOD_ENV)
+    if forced:
+        if forced not in START_METHODS:
+            raise ValueError(
+                f"{START_METHOD_ENV} must be one of {', '.join(START_METHODS)}, got {forced!r}"
+            )
+        if forced not in mp.get_all_start_methods():
+            raise ValueError(f"{START_METHOD_ENV}={forced}: not available on {sys.platform}")
+        return forced, f"{START_METHOD_ENV}={forced}"
+    if sys.platform != "linux":
+        return "spawn", f"fork is not used on {sys.platform}"
+    # Not only an initialised CUDA: once this process has asked the CUDA runtime anything
+    # (torch.cuda.is_available(), which device="auto" calls), a forked child cannot initialise
+    # CUDA at all, and that cannot be seen from here. device_count() asks NVML, not CUDA.
+    if torch.cuda.device_count() > 0:
+        return "spawn", "this machine has CUDA devices, which a forked worker cannot use"
+    return "fork", "the default"
+
+
+def _check_main_module_guarded(reason: str) -> None:
+    """RuntimeError when spawned workers would create this LLM again: spawn imports the
+    caller's main module in each worker, and its top-level code is creating this LLM outside
+    `if __name__ == "__main__":`. Silent whenever that cannot be told for sure."""
+    main = sys.modules.get("__main__")
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
+    if spec_name is not None and (spec_name == "__main__" or spec_name.endswith(".__main__")):
+        return  # multiprocessing leaves a package's __main__ alone
+    if spec_name is None and getattr(main, "__file__", None) is None:
+        return  # interactive, -c or stdin: nothing to import again
+    frame = sys._getframe(1)
+    while frame is not None and not (
+        frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)
+    ):
+        frame = frame.f_back
+    if frame is None:
+        return  # the main module's top level is not what creates the LLM
+    filename, line = frame.f_code.co_filename, frame.f_lineno
+    try:
+        tree = ast.parse("".join(linecache.getlines(filename)))
+    except (SyntaxError, ValueError):
+        return
+    if not tree.body:
+        return  # no source to read
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.If)
+            and any(isinstance(n, ast.Name) and n.id == "__name__" for n in ast.walk(node.test))
+            and node.lineno <= line <= (node.end_lineno or node.lineno)
+        ):
+            return
+    raise RuntimeError(
+        f"tensor-parallel workers start with spawn here ({reason}), which runs the main "
+        f"module {filename} again in every worker, and its line {line} would create this LLM "
+        'again: put the script\'s top-level code under `if __name__ == "__main__":`'
+    )
+
+
+# The TPWorkers not yet shut down.
+_live_workers: weakref.WeakSet[TPWorkers] = weakref.WeakSet()
+
+
+def _shutdown_live_workers() -> None:
+    for workers in list(_live_workers):
+        workers.shutdown()
+
+
+# At exit, multiprocessing terminates daemonic children (SIGTERM) from a hook registered when it
+# was imported, which runs before every hook registered earlier: weakref.finalize's (and with
+# it the LLM's), if a finalizer existed before multiprocessing was imported. Workers killed so
+# leave rank 0 in a group with dead peers. This hook, registered after multiprocessing's
+# (imported above), runs before it and shuts them down in order.
+atexit.register(_shutdown_live_workers)
+
+
 def check_device_count(size: int, device: torch.device) -> None:
     """ValueError unless the machine has a device for every rank."""
     if device.type == "cuda" and size > torch.cuda.device_count():
@@ -360,14 +499,37 @@ def _exit_with_parent(parent_pid: int) -> None:
 def _worker_main(
     rank: int,
     size: int,
-    port: int,
     backend: str,
     runner_kwargs: dict,
     conn: Connection,
     parent_pid: int,
+    forked: bool,
+    inherited: tuple[Connection, ...],
 ) -> None:
+    """A worker process. forked: started by fork, with the caller's state copied, including
+    inherited, rank 0's ends of the earlier workers' pipes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    if not forked:
+        _run_worker(rank, size, backend, runner_kwargs, conn)
+        return
+    for other in inherited:
+        other.close()
+    # The caller's handlers do not apply here: terminate means exit, and a wake-up fd (an
+    # event loop's) belongs to the caller.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.set_wakeup_fd(-1)
+    # The work runs in a thread of its own: the forking thread's OpenMP pool (GNU libgomp)
+    # lost its threads in the fork, and a parallel region started from that thread would
+    # wait for them forever; a new thread starts a pool of its own.
+    work = threading.Thread(target=_run_worker, args=(rank, size, backend, runner_kwargs, conn),
+                            name=f"nanopaged-tp-rank{rank}")  # fmt: skip
+    work.start()
+    work.join()
+
+
+def _run_worker(rank: int, size: int, backend: str, runner_kwargs: dict, conn: Connection) -> None:
+    """Join the group, build this rank's runner and serve the driver's steps."""
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -378,6 +540,7 @@ def _worker_main(
         from nanopaged.engine.model_runner import ModelRunner
 
         conn.send(("ready", None))
+        port = conn.recv()
         store = dist.TCPStore("127.0.0.1", port, size, is_master=False,
                               timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
         dist.init_process_group(

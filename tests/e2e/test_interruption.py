@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import _thread
 import gc
+import signal
 import threading
 import time
 import weakref
@@ -228,7 +229,17 @@ def test_fault_with_swap_or_async_scheduling(model_dir, expected, monkeypatch, e
     assert _results(llm) == expected
 
 
-def test_ctrl_c_at_arbitrary_moments(model_dir, expected):
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT raises KeyboardInterrupt during the test, as in an interactive session. A
+    background job of a non-interactive shell (`pytest ... &`) starts with SIGINT ignored, and
+    then interrupt_main, like the signal itself, does nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_at_arbitrary_moments(model_dir, expected, ctrl_c_raises):
     """A real asynchronous KeyboardInterrupt, as Ctrl-C delivers it, at spread-out times."""
     llm = _llm(model_dir)
     t0 = time.perf_counter()

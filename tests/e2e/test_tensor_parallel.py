@@ -15,7 +15,7 @@ from tiny_models import AMPLIFY, amplified_kv, hf_greedy, make_tiny_model
 
 from nanopaged import LLM, SamplingParams
 from nanopaged.distributed.parallel import PEER_ALL_REDUCE_ENV
-from nanopaged.distributed.workers import FAULT_ENV, WorkerError
+from nanopaged.distributed.workers import FAULT_ENV, START_METHOD_ENV, WorkerError
 
 MAX_TOKENS = 16
 PROMPT_LENS = (1, 9, 40, 100)
@@ -41,9 +41,12 @@ def _worker_processes() -> list:
         import psutil
     except ImportError:
         return procs
-    for child in psutil.Process().children(recursive=True):
+    me = psutil.Process()
+    for child in me.children(recursive=True):
         try:
-            if "spawn_main" in " ".join(child.cmdline()):
+            # Spawned workers run spawn_main; forked ones keep this process's command line.
+            cmdline = child.cmdline()
+            if "spawn_main" in " ".join(cmdline) or cmdline == me.cmdline():
                 procs.append(child)
         except psutil.Error:
             pass
@@ -243,6 +246,16 @@ def test_unsplittable_shapes_fail_before_starting(llama_dir):
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         LLM(str(llama_dir), tensor_parallel_size=0)
     assert _worker_processes() == []
+
+
+def test_unknown_start_method_fails_before_starting(llama_dir, monkeypatch):
+    monkeypatch.setenv(START_METHOD_ENV, "forkserver")
+    with pytest.raises(ValueError, match=f"{START_METHOD_ENV} must be one of fork, spawn"):
+        LLM(str(llama_dir), tensor_parallel_size=2, kv_cache_memory=1 << 22)
+    assert _worker_processes() == []
+    monkeypatch.delenv(START_METHOD_ENV)
+    with LLM(str(llama_dir), tensor_parallel_size=2, kv_cache_memory=1 << 22) as llm:
+        assert len(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) > 0
 
 
 def test_dummy_weights_same_for_any_tp_size(llama_dir):
