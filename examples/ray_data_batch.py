@@ -51,17 +51,13 @@ def main(argv: list[str] | None = None) -> None:
 
     import ray
 
-    from nanopaged.integrations.ray_data import ClusterTooSmall, add_generations
+    from nanopaged.integrations.ray_data import ClusterTooSmall, add_generations, io_args
 
     ray.init(ignore_reinit_error=True)
     start = time.perf_counter()
-    # Reads and writes only move rows: reserving no CPU lets them run when the replicas'
-    # threads hold every CPU (else they wait forever for one).
-    io = dict(num_cpus=0)
-    if args.input.endswith(".parquet"):
-        ds = ray.data.read_parquet(args.input, ray_remote_args=io)
-    else:
-        ds = ray.data.read_json(args.input, ray_remote_args=io)
+    # Reads and writes reserve no CPU, so they run when the replicas' threads hold every CPU.
+    read = ray.data.read_parquet if args.input.endswith(".parquet") else ray.data.read_json
+    ds = read(args.input, **io_args(read))
     try:
         ds = add_generations(
             ds,
@@ -79,10 +75,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     except ClusterTooSmall as e:
         raise ValueError(f"--concurrency {args.concurrency} is more than Ray holds: {e}") from None
-    if args.output_format == "parquet":
-        ds.write_parquet(args.output, ray_remote_args=io)
-    else:
-        ds.write_json(args.output, ray_remote_args=io)
+    write = ds.write_parquet if args.output_format == "parquet" else ds.write_json
+    write(args.output, **io_args(write))
     print(f"wrote {args.output} in {time.perf_counter() - start:.1f} s")
 
 

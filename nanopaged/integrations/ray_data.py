@@ -1,27 +1,29 @@
 """Data-parallel batch inference on Ray Data: one LLM per actor (a replica), rows spread over them.
 
     import ray
-    from nanopaged.integrations.ray_data import add_generations
+    from nanopaged.integrations.ray_data import add_generations, io_args
 
-    io = dict(num_cpus=0)   # reads and writes only move rows; replicas may hold every CPU
-    ds = ray.data.read_json("prompts.jsonl", ray_remote_args=io)
+    ds = ray.data.read_json("prompts.jsonl", **io_args(ray.data.read_json))
     ds = add_generations(ds, model="/models/Qwen3-8B", concurrency=4, tensor_parallel_size=2,
                          sampling_params=dict(temperature=0, max_tokens=256))
-    ds.write_parquet("out/", ray_remote_args=io)
+    ds.write_parquet("out/", **io_args(ray.data.Dataset.write_parquet))
 
 Each replica reserves what it runs: on GPU nodes its tensor_parallel_size GPUs and a fraction of
 a CPU; on CPU its torch threads (num_threads). add_generations checks the replicas against the
-cluster before anything runs and raises ClusterTooSmall when they cannot all be placed.
+cluster before anything runs and raises ClusterTooSmall when they cannot all be placed. Replicas
+may hold every CPU, so reads and writes reserve none (io_args): they only move rows, and one
+that waits for a CPU waits forever.
 
 Needs the `ray` extra: pip install "nanopaged[ray]".
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -215,6 +217,16 @@ def actor_pool_args(concurrency: int, ray_version: tuple[int, int]) -> dict[str,
 
         return {"compute": ActorPoolStrategy(size=concurrency)}
     return {"concurrency": concurrency}
+
+
+def io_args(read_or_write: Callable[..., Any]) -> dict[str, Any]:
+    """Keyword arguments that make a Ray Data read or write (ray.data.read_json,
+    Dataset.write_parquet, ...) reserve no CPU, in the form that function takes."""
+    # Newer Ray's reads take num_cpus= and deprecate ray_remote_args= (gone in 2.64); older
+    # reads, and writes, take only ray_remote_args.
+    if "num_cpus" in inspect.signature(read_or_write).parameters:
+        return {"num_cpus": 0}
+    return {"ray_remote_args": {"num_cpus": 0}}
 
 
 def _threads_to_fit(

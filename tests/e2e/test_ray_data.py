@@ -18,6 +18,7 @@ from nanopaged.integrations.ray_data import (
     NanopagedPredictor,
     actor_pool_args,
     add_generations,
+    io_args,
     replicas_that_fit,
 )
 
@@ -86,6 +87,18 @@ def test_actor_pool_in_each_ray_api():
     assert list(new) == ["compute"] and new["compute"].min_size == new["compute"].max_size == 3
 
 
+def test_io_args_reserve_no_cpu_in_each_form():
+    """num_cpus= where a read takes it (Ray deprecates ray_remote_args there), else
+    ray_remote_args=."""
+
+    def new_read(paths, *, num_cpus=None, ray_remote_args=None): ...
+
+    def write(path, *, ray_remote_args=None): ...
+
+    assert io_args(new_read) == {"num_cpus": 0}
+    assert io_args(write) == {"ray_remote_args": {"num_cpus": 0}}
+
+
 def test_bad_arguments_fail_before_ray_starts():
     ray = pytest.importorskip("ray")
     started = ray.is_initialized()
@@ -151,6 +164,7 @@ def test_example_two_replicas_on_two_cpus_serve_rows(model_dir, two_cpu_cluster,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
     assert "``concurrency`` is deprecated" not in run.stderr
+    assert "`ray_remote_args` is deprecated" not in run.stderr
     got = [json.loads(line) for f in sorted(out.iterdir()) for line in f.read_text().splitlines()]
     got.sort(key=lambda r: r["row"])
     assert [r["row"] for r in got] == list(range(len(PROMPTS)))
