@@ -15,6 +15,7 @@ from tiny_models import add_byte_tokenizer, add_chat_template, make_tiny_model
 
 from nanopaged import LLM, SamplingParams
 from nanopaged.integrations.ray_data import (
+    ClusterTooSmall,
     NanopagedPredictor,
     actor_pool_args,
     add_generations,
@@ -108,6 +109,20 @@ def test_bad_arguments_fail_before_ray_starts():
         with pytest.raises(ValueError, match=field):
             add_generations(None, **kwargs)
     assert ray.is_initialized() == started
+
+
+def test_gpu_replicas_reserve_their_gpus_and_half_a_cpu():
+    """On a cluster with GPUs (declared, none needed) a replica takes tensor_parallel_size GPUs
+    of one node; the check runs before Ray Data does anything."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False)
+    try:
+        ds = ray.data.from_items([{"prompt": "a"}])
+        with pytest.raises(ClusterTooSmall, match=r"0.5 CPU, 2 GPU each .* at most 1 fit"):
+            add_generations(ds, concurrency=2, tensor_parallel_size=2)
+        add_generations(ds, concurrency=1, tensor_parallel_size=2)
+    finally:
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
