@@ -53,7 +53,7 @@ FAULT_ENV = "NANOPAGED_TP_FAULT"
 START_METHOD_ENV = "NANOPAGED_WORKER_MULTIPROC_METHOD"
 START_METHODS = ("fork", "spawn")
 
-_STEP, _SWAP_SPACE, _STOP = 0, 1, 2
+_STEP, _SWAP_SPACE, _STOP, _ZERO_BLOCKS = 0, 1, 2, 3
 
 
 class WorkerError(RuntimeError):
@@ -261,6 +261,10 @@ class TPWorkers:
     def allocate_swap_space(self, num_blocks: int) -> None:
         with self._steps:
             self._send(np.array([_SWAP_SPACE, num_blocks], dtype=np.int64).tobytes())
+
+    def zero_blocks(self, block_ids: list[int]) -> None:
+        with self._steps:
+            self._send(np.array([_ZERO_BLOCKS, *block_ids], dtype=np.int64).tobytes())
 
     def after_error(self) -> None:
         """The driver's step loop failed: stop the workers unless they are still in step with
@@ -586,6 +590,9 @@ def _serve(runner, conn: Connection, rank: int) -> None:
             return
         if kind == _SWAP_SPACE:
             runner.allocate_swap_space(int(buf[1]))
+            continue
+        if kind == _ZERO_BLOCKS:
+            runner.zero_blocks(buf[1:].tolist())
             continue
         if num_steps == fault_step:
             raise RuntimeError(f"injected fault in tensor-parallel rank {rank}, step {num_steps}")
