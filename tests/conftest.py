@@ -25,3 +25,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def byte_llama(tmp_path_factory):
+    """A tiny random Llama (tiny_models) with a byte-level tokenizer, shared by the session:
+    tests that only read it use it instead of building their own."""
+    from tiny_models import add_byte_tokenizer, make_tiny_model
+
+    path = make_tiny_model(tmp_path_factory.mktemp("byte-llama"), "llama")
+    add_byte_tokenizer(path)
+    return path

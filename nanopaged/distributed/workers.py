@@ -9,9 +9,10 @@ driver turns that (or a worker that just dies) into a WorkerError raised by the 
 collective or step. Workers ignore Ctrl-C (the driver decides), exit when their pipe closes or
 their parent dies, and are stopped by TPWorkers.shutdown (at the latest at interpreter exit).
 
-How workers start (worker_start_method): on a machine without CUDA devices they are forked, so
-nothing of the caller's main module runs again and a script needs no `if __name__ ==
-"__main__":`; with CUDA devices they are spawned (a forked child cannot use CUDA once this
+How workers start (worker_start_method): on a machine without CUDA devices the first group of
+a process is forked, so nothing of the caller's main module runs again and a script with one
+tensor-parallel LLM needs no `if __name__ == "__main__":`; later groups, and any with CUDA
+devices, are spawned (a forked child cannot use CUDA once this
 process has queried it), which imports the main module again and so needs that guard (checked
 before anything starts). NANOPAGED_WORKER_MULTIPROC_METHOD=fork or spawn picks one.
 """
@@ -52,7 +53,7 @@ FAULT_ENV = "NANOPAGED_TP_FAULT"
 START_METHOD_ENV = "NANOPAGED_WORKER_MULTIPROC_METHOD"
 START_METHODS = ("fork", "spawn")
 
-_STEP, _SWAP_SPACE, _STOP = 0, 1, 2
+_STEP, _SWAP_SPACE, _STOP, _ZERO_BLOCKS = 0, 1, 2, 3
 
 
 class WorkerError(RuntimeError):
@@ -129,6 +130,8 @@ class TPWorkers:
                 except OSError:
                     pass  # the worker is gone: _wait_ready says how
             self._wait_ready()
+            global _groups_made
+            _groups_made = True
             dist.init_process_group(
                 self.backend, store=self._store, rank=0, world_size=size,
                 timeout=COLLECTIVE_TIMEOUT,
@@ -258,6 +261,10 @@ class TPWorkers:
     def allocate_swap_space(self, num_blocks: int) -> None:
         with self._steps:
             self._send(np.array([_SWAP_SPACE, num_blocks], dtype=np.int64).tobytes())
+
+    def zero_blocks(self, block_ids: list[int]) -> None:
+        with self._steps:
+            self._send(np.array([_ZERO_BLOCKS, *block_ids], dtype=np.int64).tobytes())
 
     def after_error(self) -> None:
         """The driver's step loop failed: stop the workers unless they are still in step with
@@ -415,6 +422,10 @@ def worker_start_method() -> tuple[str, str]:
     # CUDA at all, and that cannot be seen from here. device_count() asks NVML, not CUDA.
     if torch.cuda.device_count() > 0:
         return "spawn", "this machine has CUDA devices, which a forked worker cannot use"
+    if _groups_made:
+        # A child forked after this process ran a gloo group (its threads, since stopped)
+        # inherits that library's state half-torn: it died at start now and then.
+        return "spawn", "this process already ran a tensor-parallel group"
     return "fork", "the default"
 
 
@@ -458,6 +469,8 @@ def _check_main_module_guarded(reason: str) -> None:
 
 # The TPWorkers not yet shut down.
 _live_workers: weakref.WeakSet[TPWorkers] = weakref.WeakSet()
+# Whether this process has made a tensor-parallel process group (worker_start_method).
+_groups_made = False
 
 
 def _shutdown_live_workers() -> None:
@@ -577,6 +590,9 @@ def _serve(runner, conn: Connection, rank: int) -> None:
             return
         if kind == _SWAP_SPACE:
             runner.allocate_swap_space(int(buf[1]))
+            continue
+        if kind == _ZERO_BLOCKS:
+            runner.zero_blocks(buf[1:].tolist())
             continue
         if num_steps == fault_step:
             raise RuntimeError(f"injected fault in tensor-parallel rank {rank}, step {num_steps}")

@@ -353,6 +353,15 @@ class BlockManager:
             self.hash_to_block[h] = block_id
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
+    def forget(self, block_ids: list[int]) -> None:
+        """Take these blocks out of the prefix cache (their contents are no longer what their
+        hashes promise)."""
+        for block_id in block_ids:
+            h = self.block_hashes[block_id]
+            if h is not None and self.hash_to_block.get(h) == block_id:
+                del self.hash_to_block[h]
+            self.block_hashes[block_id] = self.block_keys[block_id] = None
+
     def reset_prefix_cache(self, in_use_too: bool = False) -> bool:
         """Forget every cached block (e.g. after the weights changed); False, and nothing
         forgotten, while some block is in use, unless in_use_too (blocks in use then keep

@@ -32,6 +32,7 @@ from nanopaged.engine.model_runner import ModelRunner, StepHandle, kv_bytes_per_
 from nanopaged.engine.output_processor import StopMatcher
 from nanopaged.engine.processor import InputProcessor, Request
 from nanopaged.engine.request_output import OutputBuilder, RunningRequest, reports_progress
+from nanopaged.engine.sample_output import NonFiniteLogitsError
 from nanopaged.engine.scheduler import ScheduledBatch, Scheduler
 from nanopaged.engine.sequence import Sequence
 from nanopaged.engine.startup import (
@@ -343,8 +344,17 @@ class LLMEngine:
             if collecting and self._num_steps % GC_YOUNG_EVERY == 0:
                 gc.collect(1)
             return self._step()
-        except BaseException:
+        except BaseException as e:
+            # After NaN logits the running requests' K/V may be NaN: forgotten and zeroed, so
+            # no later request reads them.
+            poisoned = []
+            if isinstance(e, NonFiniteLogitsError):
+                poisoned = sorted({b for g in self.scheduler.running for s in g.seqs
+                                   for b in s.block_table})  # fmt: skip
             self._abort_all()
+            if poisoned:
+                self.block_manager.forget(poisoned)
+                self.runner.zero_blocks(poisoned)
             raise
         finally:
             if collecting:

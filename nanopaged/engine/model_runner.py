@@ -286,8 +286,10 @@ class ModelRunner:
             self.num_blocks = self._blocks_for_budget(self._profile_cuda_budget())
         # Every rank must hold the same block ids: the smallest count any rank can fit.
         self.num_blocks = self.tp.min_over_ranks(self.num_blocks)
-        # kv_cache: [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.empty(
+        # kv_cache: [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]. Zeroed:
+        # a slot no step wrote yet must not be NaN (a kernel weighing a stale slot by 0 would
+        # still get NaN); zero_blocks keeps it so after NaN logits.
+        self.kv_cache = torch.zeros(
             2,
             model_config.num_layers,
             self.num_blocks,
@@ -348,6 +350,15 @@ class ModelRunner:
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache = cache[0, i]
             layer.v_cache = channel_major(cache[1, i]) if is_fp8(cache.dtype) else cache[1, i]
+
+    def zero_blocks(self, block_ids: list[int]) -> None:
+        """Zero these KV blocks on every rank: after NaN logits their K/V may be NaN, and a
+        kernel that weighs a stale slot by 0 (a block's unused tail) would still get NaN."""
+        if self.workers is not None and self.workers.alive:
+            self.workers.zero_blocks(block_ids)
+        if block_ids:
+            ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            self.kv_cache.index_fill_(2, ids, 0)  # [2, layers, blocks, ...]
 
     def allocate_swap_space(self, num_blocks: int) -> None:
         """Allocate the CPU swap pool: num_blocks blocks shaped like the device cache's."""

@@ -9,7 +9,6 @@ import json
 import shutil
 
 import pytest
-from tiny_models import add_byte_tokenizer, make_tiny_model
 
 from nanopaged import LLM, EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 from nanopaged.utils import FlexibleArgumentParser
@@ -18,10 +17,8 @@ KV = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
-    add_byte_tokenizer(path)
-    return path
+def model_dir(byte_llama):
+    return byte_llama
 
 
 @pytest.fixture(scope="module")

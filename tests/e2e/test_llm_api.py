@@ -5,16 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from tiny_models import add_byte_tokenizer, make_tiny_model
+from tiny_models import make_tiny_model
 
 from nanopaged import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
-    add_byte_tokenizer(path)
-    return path
+def model_dir(byte_llama):
+    return byte_llama
 
 
 @pytest.fixture(scope="module")

@@ -154,6 +154,9 @@ def test_nan_rows_raise_naming_their_requests(poisoned, monkeypatch, name):
     assert 'dtype="float32"' in str(err.value)
     assert str(err.value).startswith("the logits of prompts[") and all(
         f"prompts[{i}]" in str(err.value) for i in (1, 3))
+    # Their K/V, NaN now, is zeroed and out of the prefix cache: a kernel weighing a stale
+    # slot of a reused block by 0 must not get NaN.
+    assert bool(torch.isfinite(llm.runner.kv_cache).all())
     _assert_idle(llm)
     assert _healthy(llm, params) == _healthy(_fresh(poisoned), params)
 

@@ -8,7 +8,6 @@ import threading
 import weakref
 
 import pytest
-from tiny_models import add_byte_tokenizer, make_tiny_model
 
 from nanopaged import LLM, SamplingParams
 
@@ -16,10 +15,8 @@ KV = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
-    add_byte_tokenizer(path)
-    return path
+def model_dir(byte_llama):
+    return byte_llama
 
 
 @pytest.fixture(scope="module")
