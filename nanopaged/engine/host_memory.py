@@ -4,7 +4,7 @@ A CPU forward pass allocates and frees the same activation sizes every step. gli
 blocks above its mmap threshold (128 KiB to start) with fresh mappings and trims the heap
 top back to the kernel when enough of it is free, so those steps fault their pages in again,
 every time. Where page faults are dear (virtual machines) a loop of such blocks ran up to a
-hundred times slower (see README, "CPU"). Raising both thresholds keeps the blocks in the
+hundred times slower (see docs/cpu.md). Raising both thresholds keeps the blocks in the
 heap for reuse; the price is that the process keeps its peak heap size.
 
 `NANOPAGED_MALLOC_TUNING=0` leaves malloc as it is. Other C libraries: nothing happens.
