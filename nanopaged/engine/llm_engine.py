@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+import xxhash
 
 from nanopaged.config import (
     EngineArgs,
@@ -293,8 +294,6 @@ class LLMEngine:
     def _draw_seed(self) -> int:
         """The seed of a sampled request that has none: the next of a stream derived from the
         engine's seed, so the same calls on a new engine reproduce the same samples."""
-        import xxhash
-
         self._num_drawn_seeds += 1
         return xxhash.xxh64_intdigest(f"{self.config.seed}/{self._num_drawn_seeds}".encode())
 

@@ -84,9 +84,9 @@ def test_generate_cli(model_dir, monkeypatch):
     ns = run_script(GENERATE, model_dir, argv, monkeypatch)
     llm, outputs = ns["llm"], ns["outputs"]
     assert llm.max_model_len == 128 and llm.config.seed == 3
-    assert [len(o.outputs[0].token_ids) for o in outputs] == [7, 7] or all(
-        o.outputs[0].finish_reason == "stop" for o in outputs
-    )
+    for o in outputs:  # the command line's max_tokens reached the params
+        c = o.outputs[0]
+        assert len(c.token_ids) <= 7 and (c.finish_reason == "length") == (len(c.token_ids) == 7)
     from nanopaged import SamplingParams
 
     again = llm.generate([o.prompt for o in outputs],
