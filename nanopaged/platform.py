@@ -1,0 +1,103 @@
+"""What differs between a CUDA device and a CPU, decided in one place.
+
+The rest of the package asks a Platform (platform_of(device)) what it can do, or moves data
+with the helpers below, instead of testing device types itself: the attention backend is
+chosen in attention/ (by device and dtype), everything else here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Platform:
+    """One kind of device and what the engine does on it."""
+
+    name: str
+    # Triton kernels, CUDA graphs, a memory profile sizes the KV cache, page-locked host buffers
+    gpu: bool
+    # torch.distributed backend of tensor-parallel ranks
+    dist_backend: str
+    # Default of EngineArgs.async_scheduling: plan step N+1 while the device runs step N
+    async_scheduling: bool
+
+    def default_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        """The dtype a model runs in when none is asked for: fp32 on CPUs (exact, and CPUs
+        rarely have fast half-precision matmuls); on GPUs the checkpoint's, bf16 for fp32."""
+        if not self.gpu:
+            return torch.float32
+        return torch.bfloat16 if checkpoint_dtype == torch.float32 else checkpoint_dtype
+
+
+CUDA = Platform(name="cuda", gpu=True, dist_backend="nccl", async_scheduling=True)
+CPU = Platform(name="cpu", gpu=False, dist_backend="gloo", async_scheduling=False)
+
+
+def platform_of(device: torch.device | str) -> Platform:
+    return CUDA if torch.device(device).type == "cuda" else CPU
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """"auto": CUDA when available, else the CPU; a device that does not exist is an error."""
+    if isinstance(device, str) and device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA device is available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(
+            f"device {device!r} does not exist: this machine has "
+            f"{torch.cuda.device_count()} CUDA device(s)"
+        )
+    return dev
+
+
+def pinned(t: torch.Tensor) -> torch.Tensor:
+    """A host tensor in page-locked memory when CUDA is there: a copy from pageable memory
+    would wait for the device to finish its queued work (stalling asynchronous steps)."""
+    return t.pin_memory() if torch.cuda.is_available() else t
+
+
+def to_device(a: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host array on device without waiting for the device's queued work (a plain
+    torch.tensor(..., device=cuda) would)."""
+    t = torch.from_numpy(a) if isinstance(a, np.ndarray) else a
+    if torch.device(device).type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+class HostCopy:
+    """Device tensors copied to the host asynchronously: result() waits for the copy only."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.event: torch.cuda.Event | None = None
+        if tensors and tensors[0].is_cuda:
+            self.tensors = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, t in zip(self.tensors, tensors):
+                host.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.tensors = tensors
+
+    def result(self) -> list[torch.Tensor]:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        return self.tensors
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (nothing to wait for on a CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
