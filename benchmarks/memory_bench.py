@@ -29,7 +29,7 @@ import torch
 
 from nanopaged.engine.block_manager import BlockManager
 from nanopaged.engine.group import SequenceGroup
-from nanopaged.engine.sample_output import SampleOutput
+from nanopaged.sampling.output import SampleOutput
 from nanopaged.engine.scheduler import Scheduler
 from nanopaged.engine.sequence import Sequence, SequenceStatus
 from nanopaged.sampling_params import BeamSearchParams, SamplingParams

@@ -20,8 +20,8 @@ import time
 import torch
 
 from nanopaged.engine import sampling
-from nanopaged.engine.penalty_counts import PenaltyCounts
-from nanopaged.engine.sampling import penalize
+from nanopaged.sampling.penalties import PenaltyCounts
+from nanopaged.sampling.penalties import penalize
 from nanopaged.engine.sequence import Sequence
 from nanopaged.kernels.penalties import penalize_rows_ref
 from nanopaged.layers.backend import backend_for

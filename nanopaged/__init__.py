@@ -2,7 +2,7 @@
 
 from nanopaged.config import EngineArgs
 from nanopaged.engine.llm_engine import LLMEngine
-from nanopaged.engine.sample_output import NonFiniteLogitsError
+from nanopaged.sampling.output import NonFiniteLogitsError
 from nanopaged.inputs import TextPrompt, TokensPrompt
 from nanopaged.llm import LLM
 from nanopaged.outputs import (

@@ -11,12 +11,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from nanopaged.engine.sample_output import DeviceSamples
-from nanopaged.engine.sampling import SlotSettings
+from nanopaged.sampling.output import DeviceSamples
+from nanopaged.sampling.ops import SlotSettings
 from nanopaged.kernels.paged_decode import longest_first
 from nanopaged.layers.attention import AttentionMetadata
 from nanopaged.layers.backend import graph_gemms
-from nanopaged.layers.sampler import SAMPLER_PATHS, SamplingTensors, sample, sampler_path, with_path
+from nanopaged.sampling.ops import SAMPLER_PATHS, SamplingTensors, sample, sampler_path, with_path
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -100,7 +100,7 @@ class DecodeGraphs:
             self.graphs[bs] = graph
             if self.lm_head is not None:
                 for path in SAMPLER_PATHS:
-                    st = with_path(self.slot_view(bs), path)
+                    st = with_path(self.slots.view(bs), path)
                     self._sample(bs, st)  # compiles this batch size's kernels
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
@@ -108,14 +108,6 @@ class DecodeGraphs:
                         self._sample(bs, st)
                     self.samplers[bs, path] = graph
         torch.cuda.synchronize()
-
-    def slot_view(self, rows: int) -> SamplingTensors:
-        """The first rows of the persistent settings, as the samplers read them."""
-        v, i = self.slots.values, self.slots.ints
-        return SamplingTensors(
-            temperatures=v[0, :rows], top_ps=v[1, :rows], min_ps=v[2, :rows],
-            top_ks=self.slots.top_ks[:rows], seeds=i[1, :rows], offsets=i[2, :rows],
-        )  # fmt: skip
 
     def _sample(self, bs: int, st: SamplingTensors) -> None:
         # The LM head runs as in eager steps (cuBLAS): the skinny kernel is tuned for the

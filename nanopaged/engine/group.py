@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from nanopaged.engine.sequence import Sequence, SequenceStatus
+from nanopaged.sampling.rows import classify
 from nanopaged.sampling_params import BeamSearchParams
 
 if TYPE_CHECKING:
@@ -51,22 +52,12 @@ class SequenceGroup:
         self.forked = self.num_samples == 1
         self.completed_beams: list[BeamHypothesis] = []
         self.beams_done = False
-        self._update_needs_sample_outputs()
-
-    def _update_needs_sample_outputs(self) -> None:
-        # Read by the runner every step for every row, so kept as a plain attribute.
-        p = self.sampling_params
-        self.needs_sample_outputs = (
-            self.is_beam_search
-            or not self.forked
-            or p.penalties_need_outputs
-            or p.has_logit_controls
-        )
+        if beam_params is not None:
+            seq.row = classify(self.sampling_params, beam=True)
 
     def mark_forked(self) -> None:
         """The prompt's first sampling step has forked it into num_samples sequences."""
         self.forked = True
-        self._update_needs_sample_outputs()
 
     @property
     def is_beam_search(self) -> bool:

@@ -29,11 +29,12 @@ from nanopaged.distributed.parallel import check_tp_shapes
 from nanopaged.distributed.workers import TPWorkers, check_device_count
 from nanopaged.engine.block_manager import BlockManager
 from nanopaged.engine.group import SequenceGroup
-from nanopaged.engine.model_runner import ModelRunner, StepHandle, kv_bytes_per_block
+from nanopaged.engine.model_runner import ModelRunner, kv_bytes_per_block
+from nanopaged.sampling.output import StepHandle
 from nanopaged.engine.output_processor import StopMatcher
 from nanopaged.engine.processor import InputProcessor, Request
 from nanopaged.engine.request_output import OutputBuilder, RunningRequest, reports_progress
-from nanopaged.engine.sample_output import NonFiniteLogitsError
+from nanopaged.sampling.output import NonFiniteLogitsError
 from nanopaged.engine.scheduler import ScheduledBatch, Scheduler
 from nanopaged.engine.sequence import Sequence
 from nanopaged.engine.startup import (

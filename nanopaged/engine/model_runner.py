@@ -14,33 +14,9 @@ import torch
 
 from nanopaged.config import EngineConfig, ModelConfig
 from nanopaged.distributed.parallel import TensorParallel, local_kv_heads
-from nanopaged.distributed.sharded_sampling import can_shard, sample_shards, settings_array
 from nanopaged.engine.block_tables import BlockTableBuilder
 from nanopaged.engine.cuda_graph import DecodeGraphs
 from nanopaged.engine.host_memory import keep_freed_memory
-from nanopaged.engine.penalty_counts import PenaltyCounts
-from nanopaged.engine.prompt_logprobs import (
-    PROFILE_TOPK,
-    PromptLogprobRows,
-    PromptScores,
-    rows_per_chunk,
-    score_prompt_rows,
-)
-from nanopaged.engine.sample_output import (
-    DeviceSamples,
-    SampleOutput,
-    StepLogprobs,
-    check_finite,
-)
-from nanopaged.engine.sampling import (
-    SlotSettings,
-    mask_early_stops,
-    needs_sample_outputs,
-    penalize,
-    row_stream,
-    sample_sequences,
-    sampling_tensors,
-)
 from nanopaged.engine.scheduler import ScheduledBatch
 from nanopaged.engine.sequence import Sequence
 from nanopaged.engine.step_inputs import StepInputs
@@ -50,123 +26,25 @@ from nanopaged.kernels.store_kv import channel_major, is_fp8
 from nanopaged.layers.attention import Attention, AttentionMetadata
 from nanopaged.layers.backend import backend_for, bind_backend
 from nanopaged.layers.cpu_gemm import pack_model
-from nanopaged.layers.sampler import SAMPLER_PATHS, SamplingTensors, sample, with_path
 from nanopaged.loader import load_dummy_weights, load_weights
 from nanopaged.models import build_model
 from nanopaged.models.llama import checkpoint_shapes
+from nanopaged.sampling.ops import SamplingTensors, sample, with_path
+from nanopaged.sampling.output import DeviceSamples, SampleOutput, StepHandle
+from nanopaged.sampling.prompt_logprobs import (
+    PROFILE_TOPK,
+    PromptScores,
+    rows_per_chunk,
+    score_prompt_rows,
+)
+from nanopaged.sampling.rows import StepRows
+from nanopaged.sampling.sampler import Sampler
+from nanopaged.sampling.sharded import sample_shards, settings_array
 
 if TYPE_CHECKING:
     from nanopaged.distributed.workers import TPWorkers
 
 logger = logging.getLogger(__name__)
-
-
-class StepHandle:
-    """A launched step's samples: on the device, copying to the host, or already there.
-
-    A plain step's raw logprobs (for the rows that asked for them) come back the same way, in
-    the same asynchronous copy as its tokens; so do the prompt logprobs of the prompt rows it
-    scored (prompt), and each row's sampled logit, which result() checks before it hands out a
-    token (NonFiniteLogitsError).
-    """
-
-    def __init__(self, outputs: list | None = None) -> None:
-        self.outputs = outputs
-        self.prompt: PromptScores | None = None
-        self.tokens: torch.Tensor | None = None  # [num_sampled] int64 on the device
-        # The sequence of each sampled row: names the requests of rows that fail the check.
-        self.seqs: list[Sequence] | None = None
-        self._host: list[torch.Tensor] = []
-        self._sampled_logits: torch.Tensor | None = None  # [num_sampled] on the host
-        # [num_sampled] bool on the host, whether finite logits decided each row's token
-        # (None: not known yet, or checked and all finite).
-        self._finite: torch.Tensor | None = None
-        self._event: torch.cuda.Event | None = None
-        self._logprob_widths: list[int | None] | None = None
-        self._logprobs: StepLogprobs | None = None
-
-    @classmethod
-    def copy_to_host(
-        cls,
-        tokens: torch.Tensor,
-        logprobs: tuple[torch.Tensor, ...] | None = None,
-        widths: list[int | None] | None = None,
-        sampled_logits: torch.Tensor | None = None,
-    ) -> StepHandle:
-        """tokens: [rows]; logprobs: (sampled [rows], top values [rows, k], top ids [rows, k],
-        sampled token's rank [rows]); widths: per row, the top-k it asked for (None: none);
-        sampled_logits: [rows], see DeviceSamples (None: nothing to check)."""
-        handle = cls()
-        handle.tokens = tokens
-        handle._logprob_widths = widths
-        tensors = [tokens, *(logprobs or ())]
-        if sampled_logits is not None:
-            tensors.append(sampled_logits)
-        if tokens.is_cuda:
-            host = []
-            for t in tensors:
-                host.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
-                host[-1].copy_(t, non_blocking=True)
-            handle._event = torch.cuda.Event()
-            handle._event.record()
-        else:
-            host = tensors
-        if sampled_logits is not None:
-            handle._sampled_logits = host.pop()
-        handle._host = host
-        return handle
-
-    @classmethod
-    def of_outputs(cls, outputs: list[SampleOutput]) -> StepHandle:
-        """A step sampled on the host already (sample_sequences): its outputs, checked as
-        the device's samples are (SampleOutput.finite)."""
-        handle = cls(outputs)
-        handle._finite = torch.tensor([out.finite for out in outputs], dtype=torch.bool)
-        return handle
-
-    @property
-    def plain(self) -> bool:
-        """Bare token ids (not SampleOutputs), kept on the device for the next step."""
-        return self.tokens is not None
-
-    def result(self) -> list[int] | list[SampleOutput]:
-        """The samples, waiting for the device if needed. Raises NonFiniteLogitsError, at
-        every call, when NaN or infinite logits decided the token of a row that is to be
-        appended (read only now: a sequence that finished meanwhile drops its row)."""
-        if self.outputs is None:
-            if self._event is not None:
-                self._event.synchronize()
-            if self._sampled_logits is not None:
-                self._finite = torch.isfinite(self._sampled_logits)
-            self.outputs = self._host[0].tolist()
-        if self._finite is not None:
-            check_finite(self._finite, self.seqs)
-            self._finite = None
-        return self.outputs
-
-    def logprobs(self) -> StepLogprobs | None:
-        """The raw logprobs of a plain step's sampled rows, kept whole as host arrays for the
-        rows to refer to; None when no row asked for them."""
-        if self._logprob_widths is None:
-            return None
-        if self._logprobs is None:
-            tokens = self.result()
-            picked, top_v, top_i, ranks = self._host[1:]
-            # Copies: pinned buffers go back to their pool; a CPU step's may be views of more.
-            self._logprobs = StepLogprobs(
-                tokens,
-                picked.tolist(),
-                top_v.numpy().copy(),
-                top_i.numpy().copy(),
-                ranks.numpy().copy(),
-                self._logprob_widths,
-            )
-        return self._logprobs
-
-    def prompt_logprobs(self) -> PromptLogprobRows | None:
-        """The prompt logprobs of the step's prompt rows on the host, in the order of its
-        ScheduledBatch.prompt_logprob_spans; None when it scored none."""
-        return None if self.prompt is None else self.prompt.rows()
 
 
 def _is_arange(a: np.ndarray, n: int) -> bool:
@@ -227,8 +105,7 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
         self.block_size = engine_config.block_size
-        # Penalized sequences' token counts, kept on the device across steps (made on first use).
-        self.penalty_counts: PenaltyCounts | None = None
+        self.sampler = Sampler(model_config.vocab_size, device)
         torch.manual_seed(engine_config.seed)
         if device.type == "cpu":
             keep_freed_memory()  # a CPU step's activations reuse heap blocks, no page faults
@@ -303,7 +180,6 @@ class ModelRunner:
         self._tables = BlockTableBuilder()
         # The CPU swap pool (preemption_mode="swap"), see allocate_swap_space.
         self.cpu_kv_cache: torch.Tensor | None = None
-        self._sampling_cache: tuple[tuple[int, ...], SamplingTensors, list[int]] | None = None
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and not engine_config.enforce_eager:
             self.graphs = DecodeGraphs(
@@ -319,7 +195,8 @@ class ModelRunner:
             )
             self.graphs.capture()
         if device.type == "cuda" and self.tp.rank == 0:
-            self._warm_up_sampler()
+            self.sampler.warm_up(dtype)
+            torch.cuda.synchronize()
         if device.type == "cuda" and self.num_blocks > 1:
             # The copy-on-write kernel too (the first fork of n > 1 or a beam would compile it
             # mid-run): block 0 onto block 1, before any block holds a token.
@@ -422,7 +299,7 @@ class ModelRunner:
                               np.full_like(probe, PROFILE_TOPK), c.vocab_size)  # fmt: skip
             logits = self.model.compute_logits(hidden[:rows])  # None on ranks other than 0
             if logits is not None:
-                self._profile_sampling(logits.float())
+                self.sampler.profile(logits.float())
             del logits
             del hidden
             graph_bytes = 0
@@ -440,7 +317,7 @@ class ModelRunner:
                 hidden = self.model(ids, positions, meta)
                 if self.tp.size == 1:  # the captured samplers' logits and scratch too
                     logits = self.model.compute_logits(hidden)
-                    st = self._profile_sampling(logits, num_logprobs=0)
+                    st = self.sampler.profile(logits, num_logprobs=0)
                     sample(logits, with_path(st, "frontier"))
                     del logits
                 del hidden
@@ -458,38 +335,6 @@ class ModelRunner:
         margin = 256 << 20
         budget = int(total_bytes * self.config.gpu_memory_utilization)
         return max(0, budget - peak - graph_bytes - not_torch - margin)
-
-    def _warm_up_sampler(self) -> None:
-        """Compile the sampler kernel's three variants (plain; the sampled tokens' logprobs;
-        top logprobs too) and every path of SAMPLER_PATHS (the greedy argmax, the chunked
-        draws) now, not inside the first steps that ask for them: a compile there stalls every
-        running request. Batch sizes and logprob counts compile none."""
-        vocab = self.model_config.vocab_size
-        logits = torch.zeros(3, vocab, dtype=self.dtype, device=self.device)
-        self._profile_sampling(logits, num_logprobs=0)
-        st = self._profile_sampling(logits, num_logprobs=1)
-        sample(logits, st, need_logprobs=True)
-        for path in SAMPLER_PATHS:  # each path without logprobs; greedy: the argmax kernels
-            sample(logits, with_path(st, path))
-        torch.cuda.synchronize()
-
-    def _profile_sampling(self, logits: torch.Tensor, num_logprobs: int = 20) -> SamplingTensors:
-        """Run the sampler's most memory-hungry path over logits rows: [rows, vocab]."""
-        rows, vocab = logits.shape
-        ones = torch.ones(rows, device=self.device)
-        st = SamplingTensors(
-            temperatures=ones,
-            top_ks=torch.full((rows,), max(1, vocab // 2), dtype=torch.int32, device=self.device),
-            top_ps=ones * 0.9,
-            min_ps=ones * 0.01,
-            seeds=torch.zeros(rows, dtype=torch.int64, device=self.device),
-            offsets=torch.zeros(rows, dtype=torch.int64, device=self.device),
-        )
-        num_logprobs = min(num_logprobs, vocab)
-        sample(logits, st, num_logprobs=num_logprobs)
-        if num_logprobs:
-            logits.log_softmax(-1).topk(num_logprobs, dim=-1)
-        return st
 
     # ---- one step ------------------------------------------------------------------------
     def _host_arrays(
@@ -564,30 +409,6 @@ class ModelRunner:
             decode_order=order,
         )
 
-    def _sampling_tensors(
-        self, seqs: list[Sequence], into: SlotSettings | None = None
-    ) -> SamplingTensors:
-        """Per-row settings, kept on the device while consecutive steps sample the same
-        sequences: then each row's offset (its output position) just moves on by one, on the
-        device, with no copy from the host. into: in the decode graphs' persistent settings."""
-        offsets = [s.num_output_tokens for s in seqs]
-        key = (tuple(s.seq_id for s in seqs), into is not None)
-        cached = self._sampling_cache
-        if cached is not None and cached[0] == key:
-            _, st, last = cached
-            if not st.all_greedy and offsets != last:
-                if all(o == p + 1 for o, p in zip(offsets, last)):
-                    st.offsets.add_(1)
-                else:
-                    host = torch.tensor(offsets, dtype=torch.int64)
-                    st.offsets.copy_(_pinned(host), non_blocking=True)
-            self._sampling_cache = (key, st, offsets)
-            return st
-        params = [s.sampling_params for s in seqs]
-        st = sampling_tensors(params, [row_stream(s) for s in seqs], offsets, self.device, into)
-        self._sampling_cache = (key, st, offsets)
-        return st
-
     def _graph_decode(self, step: StepInputs) -> bool:
         """Whether the step's forward replays a decode graph: one token per sequence, in a
         batch no larger than the largest bucket."""
@@ -599,26 +420,20 @@ class ModelRunner:
             and self.graphs.can_run(batch_size)
         )
 
-    def _graph_sampling(self, step: StepInputs, seqs: list[Sequence]) -> SamplingTensors | None:
+    def _graph_sampling(self, step: StepInputs, seqs: list[Sequence], rows: StepRows
+                        ) -> SamplingTensors | None:  # fmt: skip
         """The settings to sample the step inside its decode graph, or None when it samples
-        outside: the one place that decides. Inside: every row of a graph-replayed decode
-        step samples one plain token (no logprobs, penalties, logit controls, min_tokens
-        masking, fork or beam: needs_sample_outputs), on one GPU, and no prompt row is scored
-        (its hidden state must leave the graph)."""
+        outside. Inside: a graph-replayed decode step whose rows are graph_safe (StepRows), on
+        one GPU, every row sampling in order, and no prompt row scored (its hidden state must
+        leave the graph)."""
         graphs = self.graphs
-        if graphs is None or not graphs.can_sample or not self._graph_decode(step):
+        if graphs is None or not graphs.can_sample or not rows.graph_safe:
             return None
-        if len(step.prompt_rows):
+        if not self._graph_decode(step) or len(step.prompt_rows):
             return None
         if not _is_arange(step.logits_indices, len(step.context_lens)):
             return None
-        for seq in seqs:
-            p = seq.sampling_params
-            if p.logprobs is not None or p.has_penalties or seq.num_output_tokens < p.min_tokens:
-                return None
-        if needs_sample_outputs(seqs):
-            return None
-        return self._sampling_tensors(seqs, graphs.slots)
+        return self.sampler.settings(seqs, graphs.slots)
 
     def run(
         self, batch: ScheduledBatch, eos_token_ids: set[int]
@@ -637,67 +452,23 @@ class ModelRunner:
         device (asynchronous scheduling).
         """
         seqs = batch.seqs
-        step = self._step_inputs(batch)
+        sampled_seqs = [seqs[i] for i in range(len(seqs)) if batch.samples(i)]
+        rows = self.sampler.rows(sampled_seqs)
+        step = self._step_inputs(batch, sampled_seqs, rows)
         if self.workers is not None:
             self.workers.publish(step)  # tensor parallel: every rank runs the same step
-        sampled_seqs = [seqs[i] for i in range(len(seqs)) if batch.samples(i)]
-        in_graph = self._graph_sampling(step, sampled_seqs)
+        in_graph = self._graph_sampling(step, sampled_seqs, rows)
         logits, prompt = self.execute(step, prev, in_graph)
         if self.workers is not None:
             self.workers.step_done()
-        handle = self._sampled(logits, sampled_seqs, prev, eos_token_ids)
+        pending = None if prev is None else prev.tokens
+        handle = self.sampler.sample(logits, sampled_seqs, rows, pending, eos_token_ids)
         handle.prompt = prompt
-        handle.seqs = sampled_seqs
         return handle
 
-    def _sampled(
-        self,
-        logits: torch.Tensor | DeviceSamples | None,
-        sampled_seqs: list[Sequence],
-        prev: StepHandle | None,
-        eos_token_ids: set[int],
-    ) -> StepHandle:
-        """The step's samples from execute's logits rows (or its tokens, sampled already).
-
-        Every path brings back with each row's token whether finite logits decided it (its
-        sampled logit: DeviceSamples; SampleOutput.finite), checked where the step's samples
-        are read (StepHandle.result)."""
-        if logits is None:
-            return StepHandle(outputs=[])
-        if isinstance(logits, DeviceSamples):  # sampled in the decode graph or in shards
-            return StepHandle.copy_to_host(logits.token_ids,
-                                           sampled_logits=logits.sampled_logits)  # fmt: skip
-        pending = None if prev is None else prev.tokens
-        counts = None
-        if any(s.sampling_params.has_penalties for s in sampled_seqs):
-            if self.penalty_counts is None:
-                self.penalty_counts = PenaltyCounts(logits.shape[-1], logits.device)
-            counts = self.penalty_counts
-        if needs_sample_outputs(sampled_seqs):
-            outputs = sample_sequences(logits.float(), sampled_seqs, eos_token_ids, pending,
-                                       counts)  # fmt: skip
-            return StepHandle.of_outputs(outputs)
-        if counts is not None:
-            # Penalized rows stay plain (asynchronous): their counts take a pending token
-            # from the previous step's samples on the device.
-            logits = penalize(logits.float(), sampled_seqs, pending, counts)
-        mask_early_stops(logits, sampled_seqs, eos_token_ids)
-        widths = [s.sampling_params.logprobs for s in sampled_seqs]
-        if all(w is None for w in widths):
-            tokens = sample(logits, self._sampling_tensors(sampled_seqs)).token_ids
-            picked = logits.gather(1, tokens[:, None])[:, 0]
-            return StepHandle.copy_to_host(tokens, sampled_logits=picked)
-        # Raw logprobs in the same pass; no row here is masked (see needs_sample_outputs).
-        k = min(max(w or 0 for w in widths), logits.shape[-1])
-        out = sample(logits, self._sampling_tensors(sampled_seqs), k, need_logprobs=True)
-        picked = logits.gather(1, out.token_ids[:, None])
-        ranks = (logits > picked).sum(dim=-1) + 1  # 1-based rank of the sampled token
-        top_v = out.top_logprobs if k else out.logprobs[:, None][:, :0]
-        top_i = out.top_token_ids if k else out.token_ids[:, None][:, :0]
-        logprobs = (out.logprobs, top_v, top_i, ranks)
-        return StepHandle.copy_to_host(out.token_ids, logprobs, widths, picked[:, 0])
-
-    def _step_inputs(self, batch: ScheduledBatch) -> StepInputs:
+    def _step_inputs(
+        self, batch: ScheduledBatch, sampled_seqs: list[Sequence], rows: StepRows
+    ) -> StepInputs:
         """The step's host arrays, built from the batch's sequences."""
         seqs = batch.seqs
         starts = [s.num_computed_tokens for s in seqs]
@@ -715,10 +486,8 @@ class ModelRunner:
             batch, starts, host["cu_seqlens_q"]
         )
         settings = None
-        if self.tp.size > 1:
-            sampled_seqs = [seqs[i] for i in sampling_rows]
-            if can_shard(sampled_seqs):
-                settings = settings_array(sampled_seqs)
+        if self.tp.size > 1 and rows.shardable:
+            settings = settings_array(sampled_seqs)
         return StepInputs(
             input_ids=ids_np,
             positions=host["positions"],

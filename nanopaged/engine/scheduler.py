@@ -10,11 +10,11 @@ from nanopaged.config import PREEMPTION_MODES
 from nanopaged.engine.beam import beam_search_step, finalize_beams
 from nanopaged.engine.block_manager import BlockManager
 from nanopaged.engine.group import SequenceGroup
-from nanopaged.engine.sample_output import SampleOutput, StepLogprobs
+from nanopaged.sampling.output import SampleOutput, StepLogprobs
 from nanopaged.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from nanopaged.engine.prompt_logprobs import PromptLogprobRows
+    from nanopaged.sampling.prompt_logprobs import PromptLogprobRows
 
 # Stands for a sampled token that is still on the device (asynchronous scheduling).
 

@@ -6,6 +6,7 @@ import enum
 import itertools
 from typing import TYPE_CHECKING
 
+from nanopaged.sampling.rows import classify
 from nanopaged.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ class Sequence:
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.sampling_params = sampling_params
+        # What its rows need from the sampler, decided once (a beam's: SequenceGroup).
+        self.row = classify(sampling_params)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         # Tokens whose KV is in the cache (computed now or found in the prefix cache).

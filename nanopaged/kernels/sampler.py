@@ -12,7 +12,7 @@ Semantics, per row of logits [batch, vocab], all in fp32 on x = logits * (1 / te
       row's token depends only on its logits, settings, seed and offset, never on the batch.
 Logprobs are log_softmax of the logits passed in, before temperature (vLLM's raw logprobs).
 min_tokens is the caller's: it sets a banned stop token's logit to -inf (a -inf token is never
-allowed). Penalties are the caller's too: engine/sampling.penalize applies them first
+allowed). Penalties are the caller's too: sampling/penalties.penalize applies them first
 (kernels/penalties.py, one pass over the penalized rows), and then the logprobs are of the
 penalized logits, where vLLM's are of the logits before penalties (so penalties with logprobs
 take the synchronous path, which keeps the raw row).

@@ -201,5 +201,5 @@ def test_penalties_run_ahead(model_dir):
     assert llm.scheduler.num_advanced_steps >= steps // 2, (llm.scheduler.num_advanced_steps, steps)
     # The counts stayed on the device: each sequence's row was built from its token lists once
     # (7 requests, one of them n=2), every later step added only its newest token.
-    counts = llm.runner.penalty_counts
+    counts = llm.runner.sampler.penalty_counts
     assert counts is not None and counts.num_rebuilt <= 8, counts.num_rebuilt

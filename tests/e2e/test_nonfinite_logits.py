@@ -20,7 +20,8 @@ from tiny_models import make_tiny_model
 
 from nanopaged import LLM, BeamSearchParams, SamplingParams
 from nanopaged.engine import model_runner
-from nanopaged.engine.sample_output import NonFiniteLogitsError
+from nanopaged.sampling import output
+from nanopaged.sampling.output import NonFiniteLogitsError
 
 ENGINE = dict(dtype="float16", device="cpu", kv_cache_memory=1 << 22)
 # layer 0's gate/up weights on dimension 0: their product reaches ~(8 * 300)^2, past 65504.
@@ -203,7 +204,7 @@ def _record_steps(llm: LLM, monkeypatch) -> tuple[list, list]:
     every read of a step's samples (handle, the exception it raised or None)."""
     launched, read = [], []
     real_launch = llm.runner.launch
-    real_result = model_runner.StepHandle.result
+    real_result = output.StepHandle.result
 
     def launch(batch, eos, prev=None):
         handle = real_launch(batch, eos, prev)
@@ -220,7 +221,7 @@ def _record_steps(llm: LLM, monkeypatch) -> tuple[list, list]:
         return out
 
     monkeypatch.setattr(llm.runner, "launch", launch)
-    monkeypatch.setattr(model_runner.StepHandle, "result", result)
+    monkeypatch.setattr(output.StepHandle, "result", result)
     return launched, read
 
 
@@ -299,7 +300,7 @@ def test_cuda_decode_graphs_raise(poisoned_cuda, monkeypatch, name):
 def test_cuda_sampler_paths_keep_nan_rows_in_the_vocabulary():
     """A step launched on top of a NaN step embeds its tokens before the error is seen: every
     sampler path must give NaN rows an id inside the vocabulary (and a NaN or -inf score)."""
-    from nanopaged.layers.sampler import SAMPLER_PATHS, SamplingTensors, sample, with_path
+    from nanopaged.sampling.ops import SAMPLER_PATHS, SamplingTensors, sample, with_path
 
     rows, vocab = 6, 5000
     dev = torch.device("cuda")

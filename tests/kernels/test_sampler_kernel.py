@@ -243,7 +243,7 @@ PLAIN = [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.5, 0, 1.
 @pytest.mark.parametrize("dtype", [f32, bf16])
 @pytest.mark.parametrize("cuts", [(0, 70, 160), (0, 53, 106, 159, 160)])
 def test_vocabulary_shards_give_the_full_rows_token(dtype, cuts):
-    from nanopaged.distributed.sharded_sampling import pick_across_shards
+    from nanopaged.sampling.sharded import pick_across_shards
 
     logits = distinct_logits(len(PLAIN), 160, dtype, seed=3)
     # The last row's maximum twice, in two shards: greedy takes the first, as argmax does.

@@ -13,13 +13,25 @@ from tiny_models import make_tiny_model
 
 from nanopaged import LLM, SamplingParams
 from nanopaged.engine.group import SequenceGroup
-from nanopaged.engine.sampling import SlotSettings, sampling_tensors
 from nanopaged.engine.sequence import Sequence
 from nanopaged.engine.step_inputs import StepInputs
-from nanopaged.layers.sampler import SAMPLER_PATHS, sample, sampler_path, with_path
+from nanopaged.sampling.ops import (
+    SAMPLER_PATHS,
+    SlotSettings,
+    sample,
+    sampler_path,
+    sampling_tensors,
+    with_path,
+)
+from nanopaged.sampling.rows import StepRows
 from nanopaged.sampling_params import BeamSearchParams
 
 SLOTS = 8
+
+
+def _in_graph(runner, step, seqs):
+    """The runner's decision for step, with its rows classified as launch classifies them."""
+    return runner._graph_sampling(step, seqs, StepRows.of(seqs))
 
 
 @pytest.mark.parametrize("path", SAMPLER_PATHS)
@@ -135,7 +147,7 @@ def _seqs(*params: SamplingParams, outputs: int = 1) -> list[Sequence]:
 def test_plain_decode_steps_sample_in_the_graph(runner, graphs):
     seqs = _seqs(SamplingParams(temperature=0.8, top_p=0.95, seed=1),
                  SamplingParams(temperature=0), SamplingParams(top_k=40, min_p=0.05))  # fmt: skip
-    st = runner._graph_sampling(_decode_step(3), seqs)
+    st = _in_graph(runner, _decode_step(3), seqs)
     assert st is not None and sampler_path(st) == "full"
     assert st.temperatures.data_ptr() == graphs.slots.values.data_ptr()
     assert graphs.slots.values[0, :3].tolist() == pytest.approx([0.8, 0.0, 1.0])
@@ -143,7 +155,7 @@ def test_plain_decode_steps_sample_in_the_graph(runner, graphs):
     # The next step of the same sequences moves the offsets on in place.
     for seq in seqs:
         seq.token_ids.append(5)
-    again = runner._graph_sampling(_decode_step(3), seqs)
+    again = _in_graph(runner, _decode_step(3), seqs)
     assert again is st and graphs.slots.ints[2, :3].tolist() == [2, 2, 2]
 
 
@@ -162,37 +174,37 @@ def test_plain_decode_steps_sample_in_the_graph(runner, graphs):
 )
 def test_rows_that_need_more_than_a_token_sample_outside(runner, graphs, params):
     seqs = _seqs(SamplingParams(temperature=0.7), params)
-    assert runner._graph_sampling(_decode_step(2), seqs) is None
+    assert _in_graph(runner, _decode_step(2), seqs) is None
     # min_tokens reached: the row is plain again.
     if params.min_tokens:
-        assert runner._graph_sampling(_decode_step(2), _seqs(params, outputs=4)) is not None
+        assert _in_graph(runner, _decode_step(2), _seqs(params, outputs=4)) is not None
 
 
 def test_forks_and_beams_sample_outside(runner, graphs):
     fork = _seqs(SamplingParams(n=3, temperature=0.9))[0]
     SequenceGroup("a", fork)  # its first sample forks it: n tokens from one row
-    assert runner._graph_sampling(_decode_step(1), [fork]) is None
+    assert _in_graph(runner, _decode_step(1), [fork]) is None
     fork.group.mark_forked()  # forked samples are plain rows again
-    assert runner._graph_sampling(_decode_step(1), [fork]) is not None
+    assert _in_graph(runner, _decode_step(1), [fork]) is not None
     beam = _seqs(SamplingParams(temperature=0))[0]
     SequenceGroup("b", beam, BeamSearchParams(beam_width=2, max_tokens=8))
-    assert runner._graph_sampling(_decode_step(1), [beam]) is None
+    assert _in_graph(runner, _decode_step(1), [beam]) is None
 
 
 def test_steps_off_the_graph_sample_outside(runner, graphs):
     seqs = _seqs(*[SamplingParams(temperature=0.5)] * (SLOTS + 1))
-    assert runner._graph_sampling(_decode_step(SLOTS + 1), seqs) is None  # past the buckets
+    assert _in_graph(runner, _decode_step(SLOTS + 1), seqs) is None  # past the buckets
     two = seqs[:2]
-    assert runner._graph_sampling(_decode_step(2, tokens_per_row=3), two) is None  # prefill
+    assert _in_graph(runner, _decode_step(2, tokens_per_row=3), two) is None  # prefill
     step = _decode_step(2)
     step.logits_indices = np.array([1], dtype=np.int64)  # a row that does not sample
-    assert runner._graph_sampling(step, two[1:]) is None
+    assert _in_graph(runner, step, two[1:]) is None
     graphs.can_sample = False  # tensor parallel: graphs without samplers
-    assert runner._graph_sampling(_decode_step(2), two) is None
+    assert _in_graph(runner, _decode_step(2), two) is None
 
 
 def test_early_stop_mask_bans_each_rows_stops_until_min_tokens():
-    from nanopaged.engine.sampling import mask_early_stops
+    from nanopaged.sampling.penalties import mask_early_stops
 
     eos = {0, 7}
     seqs = _seqs(SamplingParams(min_tokens=3, stop_token_ids=[5]),  # banned: 5, EOS

@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 
 from nanopaged.engine.group import SequenceGroup
-from nanopaged.engine.sampling import needs_sample_outputs, sample_sequences
 from nanopaged.engine.sequence import Sequence
 from nanopaged.logits_processors import apply_logit_controls
+from nanopaged.sampling.host import sample_sequences
+from nanopaged.sampling.rows import StepRows
 from nanopaged.sampling_params import SamplingParams
 
 VOCAB = 12
@@ -45,11 +46,11 @@ def test_bias_does_not_revive_a_masked_token_and_forces_its_token():
     seq = _seq(allowed_token_ids=[1, 2], logit_bias={5: 100.0, 2: 100.0}, temperature=0)
     out = apply_logit_controls(torch.zeros(1, VOCAB), [seq])
     assert out[0, 5] == -INF and out[0, 2] == 100.0
-    assert needs_sample_outputs([seq])
+    assert StepRows.of([seq]).host
     (sampled,) = sample_sequences(torch.zeros(1, VOCAB), [seq], set())
     assert sampled.token_ids == [2]
 
 
 def test_plain_requests_keep_the_fast_path():
-    assert not needs_sample_outputs([_seq(temperature=0)])
-    assert needs_sample_outputs([_seq(bad_words=["a"])])
+    assert not StepRows.of([_seq(temperature=0)]).host
+    assert StepRows.of([_seq(bad_words=["a"])]).host

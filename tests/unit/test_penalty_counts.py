@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from nanopaged.engine.penalty_counts import PenaltyCounts
+from nanopaged.sampling.penalties import PenaltyCounts
 from nanopaged.engine.sequence import Sequence, SequenceStatus
 from nanopaged.sampling_params import SamplingParams
 

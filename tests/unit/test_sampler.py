@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from nanopaged.kernels.sampler import ARGMAX_CHUNK, allowed_mask_ref
-from nanopaged.layers.sampler import SamplingTensors, greedy_tokens, sample
+from nanopaged.sampling.ops import SamplingTensors, greedy_tokens, sample
 
 
 def _st(temps, top_ps=None, top_ks=None, min_ps=None, seeds=None, offsets=None):

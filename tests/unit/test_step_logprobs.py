@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from nanopaged.engine.block_manager import BlockManager
-from nanopaged.engine.model_runner import StepHandle
-from nanopaged.engine.sample_output import SampleOutput, StepLogprobs
+from nanopaged.sampling.output import StepHandle
+from nanopaged.sampling.output import SampleOutput, StepLogprobs
 from nanopaged.engine.scheduler import Scheduler
 from nanopaged.engine.sequence import Sequence, SequenceStatus
 from nanopaged.outputs import LazyLogprobs, Logprob
@@ -45,7 +45,7 @@ def _random_step(rng: random.Random, widths: list[int | None], k: int) -> StepHa
 def _eager_rows(handle: StepHandle) -> list[tuple[float, dict, dict] | None]:
     """Each row's (sampled logprob, {token: logprob}, {token: rank}) built up front, row by
     row, from the step's values as Python numbers: the reference the lazy rows must equal."""
-    tokens, picked, top_v, top_i, ranks = (t.tolist() for t in handle._host)
+    tokens, picked, top_v, top_i, ranks = (t.tolist() for t in handle._copy.result())
     rows = []
     for r, want in enumerate(handle._logprob_widths):
         if want is None:

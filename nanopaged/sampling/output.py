@@ -1,6 +1,7 @@
-"""What the runner hands back per sampled sequence when a plain token id is not enough, the
-raw logprobs of a plain step, kept whole for its rows to refer to, and the error a step raises
-when NaN or infinite logits decided a row's token."""
+"""What a step's sampling hands back: a StepHandle over its samples (bare token ids on the
+device, or a SampleOutput per sequence when a plain token id is not enough), the raw logprobs
+of a plain step, kept whole for its rows to refer to, and the error a step raises when NaN or
+infinite logits decided a row's token."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from nanopaged.platform import HostCopy
+
 if TYPE_CHECKING:
     import numpy as np
 
     from nanopaged.engine.sequence import Sequence
     from nanopaged.outputs import RawLogprobs
+    from nanopaged.sampling.prompt_logprobs import PromptLogprobRows, PromptScores
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -142,3 +146,99 @@ class StepLogprobs:
             logprobs.append(self.logprobs[row])
             ranks.append(self.ranks.item(row))
         return tokens, logprobs, ranks
+
+
+class StepHandle:
+    """A launched step's samples: on the device, copying to the host, or already there.
+
+    A plain step's raw logprobs (for the rows that asked for them) come back the same way, in
+    the same asynchronous copy as its tokens; so do the prompt logprobs of the prompt rows it
+    scored (prompt), and each row's sampled logit, which result() checks before it hands out a
+    token (NonFiniteLogitsError).
+    """
+
+    def __init__(self, outputs: list | None = None) -> None:
+        self.outputs = outputs
+        self.prompt: PromptScores | None = None
+        self.tokens: torch.Tensor | None = None  # [num_sampled] int64 on the device
+        # The sequence of each sampled row: names the requests of rows that fail the check.
+        self.seqs: list[Sequence] | None = None
+        self._copy: HostCopy | None = None
+        self._has_logits = False
+        # [num_sampled] bool on the host, whether finite logits decided each row's token
+        # (None: not known yet, or checked and all finite).
+        self._finite: torch.Tensor | None = None
+        self._logprob_widths: list[int | None] | None = None
+        self._logprobs: StepLogprobs | None = None
+
+    @classmethod
+    def copy_to_host(
+        cls,
+        tokens: torch.Tensor,
+        logprobs: tuple[torch.Tensor, ...] | None = None,
+        widths: list[int | None] | None = None,
+        sampled_logits: torch.Tensor | None = None,
+    ) -> StepHandle:
+        """tokens: [rows]; logprobs: (sampled [rows], top values [rows, k], top ids [rows, k],
+        sampled token's rank [rows]); widths: per row, the top-k it asked for (None: none);
+        sampled_logits: [rows], see DeviceSamples (None: nothing to check)."""
+        handle = cls()
+        handle.tokens = tokens
+        handle._logprob_widths = widths
+        tensors = [tokens, *(logprobs or ())]
+        if sampled_logits is not None:
+            tensors.append(sampled_logits)
+            handle._has_logits = True
+        handle._copy = HostCopy(tensors)
+        return handle
+
+    @classmethod
+    def of_outputs(cls, outputs: list[SampleOutput]) -> StepHandle:
+        """A step sampled on the host path already: its outputs, checked as the device's
+        samples are (SampleOutput.finite)."""
+        handle = cls(outputs)
+        handle._finite = torch.tensor([out.finite for out in outputs], dtype=torch.bool)
+        return handle
+
+    @property
+    def plain(self) -> bool:
+        """Bare token ids (not SampleOutputs), kept on the device for the next step."""
+        return self.tokens is not None
+
+    def result(self) -> list[int] | list[SampleOutput]:
+        """The samples, waiting for the device if needed. Raises NonFiniteLogitsError, at
+        every call, when NaN or infinite logits decided the token of a row that is to be
+        appended (read only now: a sequence that finished meanwhile drops its row)."""
+        if self.outputs is None:
+            host = self._copy.result()
+            if self._has_logits:
+                self._finite = torch.isfinite(host[-1])
+            self.outputs = host[0].tolist()
+        if self._finite is not None:
+            check_finite(self._finite, self.seqs)
+            self._finite = None
+        return self.outputs
+
+    def logprobs(self) -> StepLogprobs | None:
+        """The raw logprobs of a plain step's sampled rows, kept whole as host arrays for the
+        rows to refer to; None when no row asked for them."""
+        if self._logprob_widths is None:
+            return None
+        if self._logprobs is None:
+            tokens = self.result()
+            picked, top_v, top_i, ranks = self._copy.result()[1:5]
+            # Copies: pinned buffers go back to their pool; a CPU step's may be views of more.
+            self._logprobs = StepLogprobs(
+                tokens,
+                picked.tolist(),
+                top_v.numpy().copy(),
+                top_i.numpy().copy(),
+                ranks.numpy().copy(),
+                self._logprob_widths,
+            )
+        return self._logprobs
+
+    def prompt_logprobs(self) -> PromptLogprobRows | None:
+        """The prompt logprobs of the step's prompt rows on the host, in the order of its
+        ScheduledBatch.prompt_logprob_spans; None when it scored none."""
+        return None if self.prompt is None else self.prompt.rows()

@@ -9,7 +9,8 @@ as argmax takes the first maximum). Only a score and a token per row and rank tr
 of a [rows, vocab] gather; the result is the token the whole row would give.
 
 Top-k, top-p and min-p cut at thresholds over the whole row, and logprobs, penalties and
-min_tokens masks need the whole row too: steps with any of them gather the logits as before.
+min_tokens masks need the whole row too: steps with any of them gather the logits as before
+(StepRows.shardable decides).
 """
 
 from __future__ import annotations
@@ -19,29 +20,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from nanopaged.engine.sample_output import DeviceSamples
-from nanopaged.engine.sampling import needs_sample_outputs, row_stream
 from nanopaged.layers.backend import backend_for
+from nanopaged.sampling.output import DeviceSamples
+from nanopaged.sampling.rows import row_stream
 
 if TYPE_CHECKING:
     from nanopaged.distributed.parallel import TensorParallel
     from nanopaged.engine.sequence import Sequence
-
-
-def can_shard(seqs: list[Sequence]) -> bool:
-    """Whether every sampling row of seqs takes its token by temperature alone (or greedily)
-    from its own row of logits: nothing that needs the whole row at once."""
-    if not seqs or needs_sample_outputs(seqs):
-        return False
-    for seq in seqs:
-        p = seq.sampling_params
-        if p.logprobs is not None or p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
-            return False
-        if p.has_penalties:  # they read the whole row's counts
-            return False
-        if seq.num_output_tokens < p.min_tokens:  # its stop tokens are masked this step
-            return False
-    return True
 
 
 def settings_array(seqs: list[Sequence]) -> np.ndarray:

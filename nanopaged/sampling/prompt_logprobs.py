@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from nanopaged.platform import platform_of
+
 if TYPE_CHECKING:
     from nanopaged.outputs import RawLogprobs
 
@@ -87,6 +89,7 @@ def score_prompt_rows(
         return None
     topk = min(int(widths.max()), vocab_size)
     dev = hidden.device
+    gpu = platform_of(dev).gpu
     rows_dev = torch.from_numpy(rows).to(dev, non_blocking=True)
     targets_dev = torch.from_numpy(targets).to(dev, non_blocking=True)
     chunk = rows_per_chunk(vocab_size, topk)
@@ -97,7 +100,7 @@ def score_prompt_rows(
         if logits is None:  # a rank other than 0: it took part in the gather, keeps nothing
             continue
         if out is None:
-            out = PromptScores(num_rows, topk, targets, widths, dev.type == "cuda")
+            out = PromptScores(num_rows, topk, targets, widths, pinned=gpu)
         # lp: [end - start, vocab] fp32; row r predicts targets[start + r]
         lp = logits.float().log_softmax(dim=-1)
         del logits
@@ -109,7 +112,7 @@ def score_prompt_rows(
             out.top_logprobs[start:end].copy_(top_v, non_blocking=True)
             out.top_token_ids[start:end].copy_(top_i, non_blocking=True)
         del lp
-    if out is not None and dev.type == "cuda":
+    if out is not None and gpu:
         out.event = torch.cuda.Event()
         out.event.record()
     return out

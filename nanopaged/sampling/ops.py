@@ -1,5 +1,5 @@
 """Logits -> next tokens: greedy, temperature, top-k, top-p, min-p, seeded noise, logprobs.
-(Penalties: kernels/penalties.py, applied by engine/sampling.penalize.)
+(Penalties: kernels/penalties.py, applied by sampling/penalties.penalize.)
 
 One call over all rows: the fused Triton kernel on CUDA, its torch reference on CPU (the same
 function the kernel tests compare against). Random numbers are keyed by (seed, offset) per row,
@@ -8,12 +8,16 @@ so a row's token depends on its own logits and settings only, never on the batch
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
 from nanopaged.kernels.sampler import FusedSample
 from nanopaged.layers.backend import backend_for
+from nanopaged.platform import pinned
+from nanopaged.sampling.rows import RowClass, classify
+from nanopaged.sampling_params import SamplingParams
 
 
 @dataclass
@@ -82,4 +86,79 @@ def sample(
     return backend_for(logits.device).sample(
         *args, num_logprobs, logprobs=need_logprobs, plain=st.all_plain, min_p=st.any_min_p,
         top_k=st.any_top_k,
+    )
+
+
+class SlotSettings:
+    """Sampling settings of up to `slots` rows in persistent device tensors, which CUDA graphs'
+    captured samplers read (engine/cuda_graph.py). sampling_tensors(into=...) rewrites them
+    when a step's sequences change; rows past its batch are greedy."""
+
+    def __init__(self, slots: int, device: torch.device) -> None:
+        self.values = torch.zeros(3, slots, dtype=torch.float32, device=device)  # temp, p, min-p
+        self.values[1] = 1.0
+        self.ints = torch.zeros(3, slots, dtype=torch.int64, device=device)  # top-k, seed, offset
+        self.top_ks = torch.zeros(slots, dtype=torch.int32, device=device)
+
+    @property
+    def slots(self) -> int:
+        return self.values.shape[1]
+
+    def view(self, rows: int) -> SamplingTensors:
+        """The first rows of the persistent settings, as the captured samplers read them."""
+        v, i = self.values, self.ints
+        return SamplingTensors(
+            temperatures=v[0, :rows], top_ps=v[1, :rows], min_ps=v[2, :rows],
+            top_ks=self.top_ks[:rows], seeds=i[1, :rows], offsets=i[2, :rows],
+        )  # fmt: skip
+
+
+def sampling_tensors(
+    params: Sequence[SamplingParams],
+    seeds: list[int],
+    offsets: list[int],
+    device: torch.device,
+    into: SlotSettings | None = None,
+    rows: Sequence[RowClass] | None = None,
+) -> SamplingTensors:
+    """One step's per-row settings, in two host-to-device copies (into: written to those
+    persistent tensors, the returned ones their first rows); the kernel path's flags come
+    from the rows' classes (rows; by default classify(params))."""
+    n = len(params)
+    if rows is None:
+        rows = [classify(p) for p in params]
+    pad = 0 if into is None else into.slots - n
+    if pad < 0:
+        raise ValueError(f"{n} rows of sampling settings do not fit {into.slots} slots")
+    # values: [3, batch] = temperature, top_p, min_p; ints: [3, batch] = top_k, seed, offset
+    values = pinned(torch.tensor(
+        [[p.temperature for p in params] + [0.0] * pad,
+         [p.top_p for p in params] + [1.0] * pad,
+         [p.min_p for p in params] + [0.0] * pad],
+        dtype=torch.float32,
+    ))  # fmt: skip
+    ints = pinned(torch.tensor(
+        [[max(p.top_k, 0) for p in params] + [0] * pad, seeds + [0] * pad, offsets + [0] * pad],
+        dtype=torch.int64,
+    ))  # fmt: skip
+    if into is None:
+        values = values.to(device, non_blocking=True)
+        ints = ints.to(device, non_blocking=True)
+        top_ks = ints[0].to(torch.int32)
+    else:
+        into.values.copy_(values, non_blocking=True)
+        into.ints.copy_(ints, non_blocking=True)
+        into.top_ks.copy_(into.ints[0])
+        values, ints, top_ks = into.values[:, :n], into.ints[:, :n], into.top_ks[:n]
+    return SamplingTensors(
+        temperatures=values[0],
+        top_ps=values[1],
+        min_ps=values[2],
+        top_ks=top_ks,
+        seeds=ints[1],
+        offsets=ints[2],
+        all_greedy=all(r.greedy for r in rows),
+        all_plain=not any(r.top_k or r.top_p for r in rows),
+        any_min_p=any(r.min_p for r in rows),
+        any_top_k=any(r.top_k for r in rows),
     )

@@ -1,4 +1,5 @@
-"""Per-sequence token counts for presence/frequency/repetition penalties, kept on the device.
+"""Penalties and min_tokens masks on logits rows, with the per-sequence token counts that
+presence/frequency/repetition penalties read, kept on the device.
 
 Each penalized sequence owns a row of two [rows, vocab] tensors: how often each token occurs
 in its output (int32) and which tokens its prompt holds (bool). A step adds only what arrived
@@ -12,11 +13,16 @@ never reached the host, or outputs that shrank); rows of finished sequences are 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from nanopaged.engine.sequence import Sequence
+from nanopaged.layers.backend import backend_for
+from nanopaged.platform import to_device
+
+if TYPE_CHECKING:
+    from nanopaged.engine.sequence import Sequence
 
 
 @dataclass
@@ -136,3 +142,62 @@ def _pairs(row: int, tokens: list[int]) -> np.ndarray:
     out[:, 0] = row
     out[:, 1] = tokens
     return out
+
+
+def penalize(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    pending: torch.Tensor | None = None,
+    counts: PenaltyCounts | None = None,
+) -> torch.Tensor:
+    """Apply each sequence's presence/frequency/repetition penalties to its row of logits.
+
+    pending: the previous step's sampled tokens on the device (asynchronous scheduling): a
+    sequence whose newest token is still there (pending_row) counts it from there, so the
+    counts equal those of a synchronous step. counts: the Sampler's PenaltyCounts, which keeps
+    each sequence's counts on the device from step to step (without it they are built here).
+    """
+    rows = [i for i, s in enumerate(seqs) if s.row.penalties]
+    if not rows:
+        return logits
+    dev = logits.device
+    pen = [seqs[i] for i in rows]
+    if counts is None:
+        counts = PenaltyCounts(logits.shape[-1], dev)
+    state_rows = counts.update(pen, pending)
+    # [3, n] presence, frequency, repetition; with the row indices: one copy to the device
+    host = torch.tensor(
+        [
+            [s.sampling_params.presence_penalty for s in pen],
+            [s.sampling_params.frequency_penalty for s in pen],
+            [s.sampling_params.repetition_penalty for s in pen],
+            rows,
+            state_rows,
+        ],
+        dtype=torch.float64,
+    )
+    both = to_device(host, dev)
+    penalties = both[:3].float()
+    logits = logits.to(torch.float32, copy=True)  # one copy, whatever the logits' dtype
+    backend_for(dev).penalize_rows(logits, both[3].long(), both[4].long(), counts.counts,
+                                   counts.prompt, penalties)  # fmt: skip
+    return logits
+
+
+def mask_early_stops(logits: torch.Tensor, seqs: list[Sequence], eos: set[int]) -> None:
+    """Forbid EOS and stop tokens to sequences that have not reached min_tokens (in place):
+    one index copy from page-locked memory and one kernel for all rows, so the step stays
+    asynchronous (an index list per row copied from pageable memory waited for the device)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, seq in enumerate(seqs):
+        p = seq.sampling_params
+        if seq.num_output_tokens < seq.row.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
+            rows += [i] * len(banned)
+            cols += banned
+    if not rows:
+        return
+    # index: [2, n] = rows, token ids
+    index = to_device(torch.tensor([rows, cols], dtype=torch.long), logits.device)
+    logits.index_put_((index[0], index[1]), logits.new_full((), float("-inf")))

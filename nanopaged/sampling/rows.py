@@ -1,0 +1,121 @@
+"""What a request's rows need from the sampler, decided once when the request joins, and what
+one step's rows need together, derived from that.
+
+Every other question the step asks of its rows reads these two objects: whether the step
+samples inside its CUDA graph, whether tensor-parallel ranks sample their vocabulary shards,
+whether the next step may be planned before this one's samples reach the host (the step is
+"plain"), and which path of the fused kernel runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from nanopaged.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanopaged.engine.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class RowClass:
+    """A request's sampling needs (the same for each of its sequences)."""
+
+    greedy: bool
+    # A top-k, top-p or min-p cut: thresholds over the whole row (no sharded sampling).
+    top_k: bool
+    top_p: bool
+    min_p: bool
+    logprobs: int | None
+    penalties: bool
+    # Sampled on the host path, one SampleOutput per row (sampling/host.py): beams, logit
+    # controls, and penalties with logprobs (reported before the penalties).
+    host: bool
+    # Stop tokens (and EOS) are masked until this many tokens are out.
+    min_tokens: int
+
+
+def classify(params: SamplingParams, beam: bool = False) -> RowClass:
+    """The RowClass of a request sampled with params (beam: a beam search's)."""
+    return RowClass(
+        greedy=params.greedy,
+        top_k=params.top_k > 0,
+        top_p=params.top_p < 1.0,
+        min_p=params.min_p > 0.0,
+        logprobs=params.logprobs,
+        penalties=params.has_penalties,
+        host=beam or params.penalties_need_outputs or params.has_logit_controls,
+        min_tokens=params.min_tokens,
+    )
+
+
+def is_early(seq: Sequence) -> bool:
+    """Whether seq's stop tokens are still masked this step (min_tokens not reached)."""
+    return seq.num_output_tokens < seq.row.min_tokens
+
+
+def on_host(seq: Sequence) -> bool:
+    """Whether seq's row needs the host path this step: its class says so, a parent is about
+    to fork into n samples, or its logprobs would otherwise come from a masked row."""
+    row = seq.row
+    if row.host or (seq.group is not None and not seq.group.forked):
+        return True
+    return row.logprobs is not None and is_early(seq)
+
+
+@dataclass(frozen=True, slots=True)
+class StepRows:
+    """The needs of one step's sampled rows together (StepRows.of)."""
+
+    # Some row takes the host path: the step returns SampleOutputs and runs synchronously.
+    host: bool
+    # Every row samples one plain token from its own logits with no logprobs, penalties or
+    # masks: the sampler may run inside the decode graph.
+    graph_safe: bool
+    # graph_safe and every row greedy or by temperature alone: tensor-parallel ranks may
+    # sample their own vocabulary shards (sampling/sharded.py).
+    shardable: bool
+    penalties: bool
+    early: bool  # some row has its stop tokens masked (min_tokens)
+    logprob_widths: list[int | None]
+
+    @classmethod
+    def of(cls, seqs: list[Sequence]) -> StepRows:
+        host = penalties = early = filtered = False
+        widths = []
+        for seq in seqs:
+            row = seq.row
+            host = host or on_host(seq)
+            penalties = penalties or row.penalties
+            early = early or is_early(seq)
+            filtered = filtered or row.top_k or row.top_p or row.min_p
+            widths.append(row.logprobs)
+        logprobs = any(w is not None for w in widths)
+        graph_safe = bool(seqs) and not (host or penalties or early or logprobs)
+        return cls(
+            host=host,
+            graph_safe=graph_safe,
+            shardable=graph_safe and not filtered,
+            penalties=penalties,
+            early=early,
+            logprob_widths=widths,
+        )
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The random stream of sample `index` of a request seeded with `seed`, as a signed int64.
+
+    Sample 0 uses the seed itself (as n = 1 does); the others a hash of (seed, index), so the
+    samples differ from each other and each is reproducible whatever else is in the batch.
+    """
+    if index:
+        seed = xxhash.xxh64_intdigest(f"{seed}:{index}".encode())
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def row_stream(seq: Sequence, index: int | None = None) -> int:
+    """The seed of seq's random stream (of sample `index` for a parent about to fork)."""
+    return sample_seed(seq.seed, seq.index if index is None else index)

@@ -1,0 +1,165 @@
+"""The Sampler: logits rows in, token ids out, for every step of one model on rank 0.
+
+It holds the sampling state that lives across steps on the device (each row's settings while
+the same sequences keep sampling, penalty counts) and turns a step's logits into a StepHandle
+by the path the step's rows need (StepRows): the fused kernel for plain rows (with their raw
+logprobs in the same pass), the host path for forks, beams and logit controls.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from nanopaged.platform import pinned
+from nanopaged.sampling.host import sample_sequences
+from nanopaged.sampling.ops import (
+    SAMPLER_PATHS,
+    SamplingTensors,
+    SlotSettings,
+    sample,
+    sampling_tensors,
+    with_path,
+)
+from nanopaged.sampling.output import DeviceSamples, StepHandle
+from nanopaged.sampling.penalties import PenaltyCounts, mask_early_stops, penalize
+from nanopaged.sampling.rows import StepRows, row_stream
+
+if TYPE_CHECKING:
+    from nanopaged.engine.sequence import Sequence
+
+
+class Sampler:
+    """Samples the logits rows of one model's steps (see the module's docstring)."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        # Penalized sequences' token counts, kept on the device across steps (made on first use).
+        self.penalty_counts: PenaltyCounts | None = None
+        # (the sequences' ids and whether in slots, their settings, their offsets) of the last
+        # step that sampled on the device: the next step with the same sequences reuses them.
+        self._cache: tuple[tuple, SamplingTensors, list[int]] | None = None
+
+    @staticmethod
+    def rows(seqs: list[Sequence]) -> StepRows:
+        """What the step's sampled rows need together: the one place it is derived."""
+        return StepRows.of(seqs)
+
+    def settings(self, seqs: list[Sequence], into: SlotSettings | None = None) -> SamplingTensors:
+        """Per-row settings, kept on the device while consecutive steps sample the same
+        sequences: then each row's offset (its output position) just moves on by one, on the
+        device, with no copy from the host. into: in the decode graphs' persistent settings."""
+        offsets = [s.num_output_tokens for s in seqs]
+        key = (tuple(s.seq_id for s in seqs), into is not None)
+        if self._cache is not None and self._cache[0] == key:
+            _, st, last = self._cache
+            if not st.all_greedy and offsets != last:
+                if all(o == p + 1 for o, p in zip(offsets, last)):
+                    st.offsets.add_(1)
+                else:
+                    host = pinned(torch.tensor(offsets, dtype=torch.int64))
+                    st.offsets.copy_(host, non_blocking=True)
+            self._cache = (key, st, offsets)
+            return st
+        params = [s.sampling_params for s in seqs]
+        classes = [s.row for s in seqs]
+        streams = [row_stream(s) for s in seqs]
+        st = sampling_tensors(params, streams, offsets, self.device, into, classes)
+        self._cache = (key, st, offsets)
+        return st
+
+    def sample(
+        self,
+        logits: torch.Tensor | DeviceSamples | None,
+        seqs: list[Sequence],
+        rows: StepRows,
+        pending: torch.Tensor | None,
+        eos_token_ids: set[int],
+    ) -> StepHandle:
+        """The step's samples from its logits rows ([len(seqs), vocab]; or its tokens, sampled
+        already in the decode graph or in shards; None: nothing samples). pending: the previous
+        step's sampled tokens on the device.
+
+        Every path brings back with each row's token whether finite logits decided it (its
+        sampled logit: DeviceSamples; SampleOutput.finite), checked where the step's samples
+        are read (StepHandle.result)."""
+        if logits is None:
+            handle = StepHandle(outputs=[])
+        elif isinstance(logits, DeviceSamples):
+            handle = StepHandle.copy_to_host(logits.token_ids,
+                                             sampled_logits=logits.sampled_logits)  # fmt: skip
+        else:
+            handle = self._sample_logits(logits, seqs, rows, pending, eos_token_ids)
+        handle.seqs = seqs
+        return handle
+
+    def _sample_logits(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        rows: StepRows,
+        pending: torch.Tensor | None,
+        eos_token_ids: set[int],
+    ) -> StepHandle:
+        counts = None
+        if rows.penalties:
+            if self.penalty_counts is None:
+                self.penalty_counts = PenaltyCounts(logits.shape[-1], logits.device)
+            counts = self.penalty_counts
+        if rows.host:
+            outputs = sample_sequences(logits.float(), seqs, eos_token_ids, pending, counts)
+            return StepHandle.of_outputs(outputs)
+        if counts is not None:
+            # Penalized rows stay plain (asynchronous): their counts take a pending token
+            # from the previous step's samples on the device.
+            logits = penalize(logits.float(), seqs, pending, counts)
+        if rows.early:
+            mask_early_stops(logits, seqs, eos_token_ids)
+        widths = rows.logprob_widths
+        if all(w is None for w in widths):
+            tokens = sample(logits, self.settings(seqs)).token_ids
+            picked = logits.gather(1, tokens[:, None])[:, 0]
+            return StepHandle.copy_to_host(tokens, sampled_logits=picked)
+        # Raw logprobs in the same pass; no row here is masked (see rows.on_host).
+        k = min(max(w or 0 for w in widths), logits.shape[-1])
+        out = sample(logits, self.settings(seqs), k, need_logprobs=True)
+        picked = logits.gather(1, out.token_ids[:, None])
+        ranks = (logits > picked).sum(dim=-1) + 1  # 1-based rank of the sampled token
+        top_v = out.top_logprobs if k else out.logprobs[:, None][:, :0]
+        top_i = out.top_token_ids if k else out.token_ids[:, None][:, :0]
+        logprobs = (out.logprobs, top_v, top_i, ranks)
+        return StepHandle.copy_to_host(out.token_ids, logprobs, widths, picked[:, 0])
+
+    def warm_up(self, dtype: torch.dtype) -> None:
+        """Compile the sampler kernel's three variants (plain; the sampled tokens' logprobs;
+        top logprobs too) and every path of SAMPLER_PATHS (the greedy argmax, the chunked
+        draws) now, not inside the first steps that ask for them: a compile there stalls every
+        running request. Batch sizes and logprob counts compile none."""
+        logits = torch.zeros(3, self.vocab_size, dtype=dtype, device=self.device)
+        self.profile(logits, num_logprobs=0)
+        st = self.profile(logits, num_logprobs=1)
+        sample(logits, st, need_logprobs=True)
+        for path in SAMPLER_PATHS:  # each path without logprobs; greedy: the argmax kernels
+            sample(logits, with_path(st, path))
+
+    def profile(self, logits: torch.Tensor, num_logprobs: int = 20) -> SamplingTensors:
+        """Run the most memory-hungry path over logits rows ([rows, vocab]), for the memory
+        profile; returns the settings it ran with."""
+        rows, vocab = logits.shape
+        dev = logits.device
+        ones = torch.ones(rows, device=dev)
+        st = SamplingTensors(
+            temperatures=ones,
+            top_ks=torch.full((rows,), max(1, vocab // 2), dtype=torch.int32, device=dev),
+            top_ps=ones * 0.9,
+            min_ps=ones * 0.01,
+            seeds=torch.zeros(rows, dtype=torch.int64, device=dev),
+            offsets=torch.zeros(rows, dtype=torch.int64, device=dev),
+        )
+        num_logprobs = min(num_logprobs, vocab)
+        sample(logits, st, num_logprobs=num_logprobs)
+        if num_logprobs:
+            logits.log_softmax(-1).topk(num_logprobs, dim=-1)
+        return st
