@@ -19,12 +19,11 @@ import time
 
 import torch
 
-from nanopaged.engine import sampling
-from nanopaged.sampling.penalties import PenaltyCounts
-from nanopaged.sampling.penalties import penalize
+from nanopaged.sampling import penalties as sampling
 from nanopaged.engine.sequence import Sequence
 from nanopaged.kernels.penalties import penalize_rows_ref
 from nanopaged.layers.backend import backend_for
+from nanopaged.sampling.penalties import PenaltyCounts, penalize
 from nanopaged.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)

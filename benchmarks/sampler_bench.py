@@ -3,7 +3,7 @@
 python benchmarks/sampler_bench.py [--json PATH]
 
 Per setting and batch size: device time of nanopaged.kernels.sampler.sample_fused against
-nanopaged.layers.sampler.sample (plus log_softmax/topk when logprobs are asked for), seeded rows
+nanopaged.sampling.ops.sample (plus log_softmax/topk when logprobs are asked for), seeded rows
 through per-row torch.Generators as the engine does today. bf16 logits, Qwen's 151,936 vocab.
 """
 

@@ -2,7 +2,6 @@
 
 from nanopaged.config import EngineArgs
 from nanopaged.engine.llm_engine import LLMEngine
-from nanopaged.sampling.output import NonFiniteLogitsError
 from nanopaged.inputs import TextPrompt, TokensPrompt
 from nanopaged.llm import LLM
 from nanopaged.outputs import (
@@ -12,6 +11,7 @@ from nanopaged.outputs import (
     Logprob,
     RequestOutput,
 )
+from nanopaged.sampling.output import NonFiniteLogitsError
 from nanopaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __all__ = [

@@ -17,10 +17,10 @@ from nanopaged.engine.block_manager import KVStats
 from nanopaged.engine.llm_engine import LLMEngine, StepRates
 from nanopaged.engine.processor import Request
 from nanopaged.engine.request_output import RunningRequest, reports_progress
-from nanopaged.sampling.output import NonFiniteLogitsError
 from nanopaged.engine.sequence import SequenceStatus
 from nanopaged.inputs import PromptInput
 from nanopaged.outputs import BeamSearchOutput, BeamSearchSequence, LazyLogprobs, RequestOutput
+from nanopaged.sampling.output import NonFiniteLogitsError
 from nanopaged.sampling_params import BeamSearchParams, SamplingParams
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from nanopaged.engine.block_manager import BlockManager
 from nanopaged.engine.group import BeamHypothesis, SequenceGroup
-from nanopaged.sampling.output import SampleOutput
 from nanopaged.engine.sequence import Sequence, SequenceStatus
+from nanopaged.sampling.output import SampleOutput
 
 
 def beam_score(

@@ -11,12 +11,18 @@ import numpy as np
 import torch
 from torch import nn
 
-from nanopaged.sampling.output import DeviceSamples
-from nanopaged.sampling.ops import SlotSettings
 from nanopaged.kernels.paged_decode import longest_first
 from nanopaged.layers.attention import AttentionMetadata
 from nanopaged.layers.backend import graph_gemms
-from nanopaged.sampling.ops import SAMPLER_PATHS, SamplingTensors, sample, sampler_path, with_path
+from nanopaged.sampling.ops import (
+    SAMPLER_PATHS,
+    SamplingTensors,
+    SlotSettings,
+    sample,
+    sampler_path,
+    with_path,
+)
+from nanopaged.sampling.output import DeviceSamples
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:

@@ -30,11 +30,9 @@ from nanopaged.distributed.workers import TPWorkers, check_device_count
 from nanopaged.engine.block_manager import BlockManager
 from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.model_runner import ModelRunner, kv_bytes_per_block
-from nanopaged.sampling.output import StepHandle
 from nanopaged.engine.output_processor import StopMatcher
 from nanopaged.engine.processor import InputProcessor, Request
 from nanopaged.engine.request_output import OutputBuilder, RunningRequest, reports_progress
-from nanopaged.sampling.output import NonFiniteLogitsError
 from nanopaged.engine.scheduler import ScheduledBatch, Scheduler
 from nanopaged.engine.sequence import Sequence
 from nanopaged.engine.startup import (
@@ -48,6 +46,7 @@ from nanopaged.generation_config import load_sampling_defaults, resolve_generati
 from nanopaged.inputs import PromptInput
 from nanopaged.logits_processors import bad_words_token_ids
 from nanopaged.outputs import RequestOutput
+from nanopaged.sampling.output import NonFiniteLogitsError, StepHandle
 from nanopaged.sampling_params import BeamSearchParams, SamplingParams
 
 # Steps between collections of the garbage collector's young generations.

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import gc
-import logging
-import warnings
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -17,9 +16,17 @@ from nanopaged.distributed.parallel import TensorParallel, local_kv_heads
 from nanopaged.engine.block_tables import BlockTableBuilder
 from nanopaged.engine.cuda_graph import DecodeGraphs
 from nanopaged.engine.host_memory import keep_freed_memory
+from nanopaged.engine.kv_cache import (
+    DEFAULT_CPU_KV_CACHE_MEMORY,
+    blocks_for_budget,
+    kv_bytes_per_block,
+    kv_scales,
+    profile_cuda_budget,
+    warn_past_kv_range,
+)
 from nanopaged.engine.scheduler import ScheduledBatch
 from nanopaged.engine.sequence import Sequence
-from nanopaged.engine.step_inputs import StepInputs
+from nanopaged.engine.step_inputs import StepInputs, build_step_inputs, is_arange, pending_ids
 from nanopaged.engine.swap import allocate_cpu_kv_cache, copy_block_pairs, run_block_ops
 from nanopaged.kernels.paged_decode import longest_first
 from nanopaged.kernels.store_kv import channel_major, is_fp8
@@ -29,50 +36,25 @@ from nanopaged.layers.cpu_gemm import pack_model
 from nanopaged.loader import load_dummy_weights, load_weights
 from nanopaged.models import build_model
 from nanopaged.models.llama import checkpoint_shapes
-from nanopaged.sampling.ops import SamplingTensors, sample, with_path
+from nanopaged.platform import platform_of, synchronize, to_device
+from nanopaged.sampling.ops import SamplingTensors
 from nanopaged.sampling.output import DeviceSamples, SampleOutput, StepHandle
-from nanopaged.sampling.prompt_logprobs import (
-    PROFILE_TOPK,
-    PromptScores,
-    rows_per_chunk,
-    score_prompt_rows,
-)
+from nanopaged.sampling.prompt_logprobs import PromptScores, score_prompt_rows
 from nanopaged.sampling.rows import StepRows
 from nanopaged.sampling.sampler import Sampler
 from nanopaged.sampling.sharded import sample_shards, settings_array
 
-if TYPE_CHECKING:
-    from nanopaged.distributed.workers import TPWorkers
 
-logger = logging.getLogger(__name__)
+class Peers(Protocol):
+    """The other tensor-parallel ranks as rank 0's runner drives them (distributed/workers)."""
 
+    alive: bool
+    before_leave: Callable[[], object] | None
 
-def _is_arange(a: np.ndarray, n: int) -> bool:
-    """Whether a is [0, 1, ..., n - 1]."""
-    if len(a) != n:
-        return False
-    return n == 0 or (a[0] == 0 and a[-1] == n - 1 and bool((a == np.arange(n)).all()))
-
-
-def kv_bytes_per_block(
-    model_config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None
-) -> int:
-    """Bytes of one KV block: K and V of block_size tokens in every layer (of num_kv_heads
-    heads: a tensor-parallel rank's share; all of the model's by default)."""
-    c = model_config
-    elem = torch.empty((), dtype=dtype).element_size()
-    heads = c.num_kv_heads if num_kv_heads is None else num_kv_heads
-    return 2 * c.num_layers * block_size * heads * c.head_dim * elem
-
-
-def _pinned(t: torch.Tensor) -> torch.Tensor:
-    """A host tensor in page-locked memory when CUDA is there: a copy from pageable memory
-    would wait for the device to finish its queued work (stalling asynchronous steps)."""
-    return t.pin_memory() if torch.cuda.is_available() else t
-
-
-# KV budget on CPU when kv_cache_memory is not given.
-DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+    def publish(self, step: StepInputs) -> None: ...
+    def step_done(self) -> None: ...
+    def zero_blocks(self, block_ids: list[int]) -> None: ...
+    def allocate_swap_space(self, num_blocks: int) -> None: ...
 
 
 class ModelRunner:
@@ -88,7 +70,7 @@ class ModelRunner:
         dtype: torch.dtype,
         load_format: str = "auto",
         tp: TensorParallel | None = None,
-        workers: TPWorkers | None = None,
+        workers: Peers | None = None,
         kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         """tp: this rank's share under tensor parallelism; workers (rank 0 only): the other
@@ -102,105 +84,38 @@ class ModelRunner:
         self.config = engine_config
         self.max_model_len = max_model_len
         self.device = device
+        self.platform = platform_of(device)
         self.dtype = dtype
         self.kv_cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
         self.block_size = engine_config.block_size
         self.sampler = Sampler(model_config.vocab_size, device)
+        self._tables = BlockTableBuilder()
+        self.cpu_kv_cache: torch.Tensor | None = None  # the swap pool, allocate_swap_space
+        self.graphs: DecodeGraphs | None = None
         torch.manual_seed(engine_config.seed)
-        if device.type == "cpu":
+        if not self.platform.gpu:
             keep_freed_memory()  # a CPU step's activations reuse heap blocks, no page faults
         # A budget the config fixes is checked before anything is loaded.
-        profile = device.type == "cuda" and engine_config.kv_cache_memory is None
+        profile = self.platform.gpu and engine_config.kv_cache_memory is None
         if not profile:
             budget = engine_config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
             self.num_blocks = self._blocks_for_budget(budget)
-        with torch.device(device):
-            default_dtype = torch.get_default_dtype()
-            torch.set_default_dtype(dtype)
-            try:
-                self.model = build_model(model_config, self.tp)
-            finally:
-                torch.set_default_dtype(default_dtype)
-        if load_format == "dummy":
-            load_dummy_weights(self.model, checkpoint_shapes(model_config), engine_config.seed)
-        else:
-            load_weights(self.model, model_dir)
-        self.model.eval()
-        # Triton kernels on CUDA; on CPU the torch references, or C kernels for bf16: chosen
-        # here, once.
-        self.backend = backend_for(device, dtype)
-        bind_backend(self.model, self.backend)
-        pack_model(self.model)  # CPU bf16 only: oneDNN-packed GEMM weights
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        # kv_scales: [2, num_layers] fp32, K and V scale of each layer (an fp8 cache holds
-        # x / scale). 1.0 unless the checkpoint has its own (model.checkpoint_kv_scales) or
-        # calculate_kv_scales asks for them from the first forward pass. Measured on SmolLM2,
-        # scales calibrated from activations agreed no better with full precision than 1.0
-        # (benchmarks/fp8_accuracy.py); they matter for K/V beyond the format's range. The
-        # kernels read them from the device, so CUDA graphs follow any later change. Under
-        # tensor parallelism each rank holds its own (calculated: from its own heads).
-        # first_kv_pass: what the first forward pass over an 8-bit cache does before storing
-        # (see execute): "calculate" the scales, or "check" that K/V fit under the scales
-        # (kv_peaks: [2, num_layers], largest |K| / k_scale and |V| / v_scale), warning once
-        # when they pass the format's largest value; None once it ran.
-        self.kv_scales: torch.Tensor | None = None
-        self.kv_peaks: torch.Tensor | None = None
-        self.first_kv_pass: str | None = None
-        if is_fp8(self.kv_cache_dtype):
-            layers = len(self.attention_layers)
-            self.kv_scales = torch.ones(2, layers, dtype=torch.float32, device=device)
-            self.kv_peaks = torch.zeros(2, layers, dtype=torch.float32, device=device)
-            if not engine_config.calculate_kv_scales:
-                for i, parts in getattr(self.model, "checkpoint_kv_scales", {}).items():
-                    for row, part in enumerate("kv"):
-                        if part in parts:
-                            self.kv_scales[row, i] = parts[part]
-            for i, layer in enumerate(self.attention_layers):
-                layer.k_scale = self.kv_scales[0, i : i + 1]
-                layer.v_scale = self.kv_scales[1, i : i + 1]
-                layer.kv_peak = self.kv_peaks[:, i]
+        self._load_model(model_dir, load_format)
         if profile:
-            self.num_blocks = self._blocks_for_budget(self._profile_cuda_budget())
+            self.num_blocks = self._blocks_for_budget(profile_cuda_budget(self))
         # Every rank must hold the same block ids: the smallest count any rank can fit.
         self.num_blocks = self.tp.min_over_ranks(self.num_blocks)
         # kv_cache: [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]. Zeroed:
         # a slot no step wrote yet must not be NaN (a kernel weighing a stale slot by 0 would
         # still get NaN); zero_blocks keeps it so after NaN logits.
+        c = model_config
         self.kv_cache = torch.zeros(
-            2,
-            model_config.num_layers,
-            self.num_blocks,
-            self.block_size,
-            self.num_kv_heads,
-            model_config.head_dim,
-            dtype=self.kv_cache_dtype,
-            device=device,
-        )
+            2, c.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, c.head_dim,
+            dtype=self.kv_cache_dtype, device=device,
+        )  # fmt: skip
         self.bind_kv(self.kv_cache)
-        self._tables = BlockTableBuilder()
-        # The CPU swap pool (preemption_mode="swap"), see allocate_swap_space.
-        self.cpu_kv_cache: torch.Tensor | None = None
-        self.graphs: DecodeGraphs | None = None
-        if device.type == "cuda" and not engine_config.enforce_eager:
-            self.graphs = DecodeGraphs(
-                self.model,
-                engine_config.max_num_seqs,
-                max_model_len,
-                self.block_size,
-                model_config.hidden_size,
-                dtype,
-                device,
-                # One GPU: the LM head and the sampler inside the graphs too.
-                lm_head=self.model.compute_logits if self.tp.size == 1 else None,
-            )
-            self.graphs.capture()
-        if device.type == "cuda" and self.tp.rank == 0:
-            self.sampler.warm_up(dtype)
-            torch.cuda.synchronize()
-        if device.type == "cuda" and self.num_blocks > 1:
-            # The copy-on-write kernel too (the first fork of n > 1 or a beam would compile it
-            # mid-run): block 0 onto block 1, before any block holds a token.
-            copy_block_pairs(self.kv_cache, [(0, 1)])
+        if self.platform.gpu:
+            self._compile_ahead()
         # Set last: nothing above (profiling, graph capture, warm-ups) is the first pass.
         if self.kv_scales is not None:
             self.first_kv_pass = "calculate" if engine_config.calculate_kv_scales else "check"
@@ -210,12 +125,65 @@ class ModelRunner:
             # full collection (which a run holds off).
             workers.before_leave = weakref.WeakMethod(self.release_graphs)
 
+    def _load_model(self, model_dir: Path, load_format: str) -> None:
+        """Build the model in the run dtype, load its weights, bind the compute backend and
+        set up an 8-bit cache's scales."""
+        with torch.device(self.device):
+            default_dtype = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+            try:
+                self.model = build_model(self.model_config, self.tp)
+            finally:
+                torch.set_default_dtype(default_dtype)
+        if load_format == "dummy":
+            load_dummy_weights(self.model, checkpoint_shapes(self.model_config), self.config.seed)
+        else:
+            load_weights(self.model, model_dir)
+        self.model.eval()
+        # Triton kernels on CUDA; on CPU the torch references, or C kernels for bf16: chosen
+        # here, once.
+        self.backend = backend_for(self.device, self.dtype)
+        bind_backend(self.model, self.backend)
+        pack_model(self.model)  # CPU bf16 only: oneDNN-packed GEMM weights
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # An 8-bit cache's scales and first-pass peaks (kv_cache.kv_scales). first_kv_pass:
+        # what the first forward pass over it does before storing (see execute): "calculate"
+        # the scales, or "check" that K/V fit under them, warning once when they pass the
+        # format's largest value; None once it ran.
+        self.kv_scales: torch.Tensor | None = None
+        self.kv_peaks: torch.Tensor | None = None
+        self.first_kv_pass: str | None = None
+        if is_fp8(self.kv_cache_dtype):
+            own = getattr(self.model, "checkpoint_kv_scales", {})
+            if self.config.calculate_kv_scales:
+                own = {}
+            self.kv_scales, self.kv_peaks = kv_scales(self.attention_layers, self.device, own)
+
+    def _compile_ahead(self) -> None:
+        """Capture the decode graphs and compile every kernel a run can ask for now, not
+        inside the first steps that need them (a compile there stalls every running request)."""
+        if not self.config.enforce_eager:
+            self.graphs = DecodeGraphs(
+                self.model, self.config.max_num_seqs, self.max_model_len, self.block_size,
+                self.model_config.hidden_size, self.dtype, self.device,
+                # One GPU: the LM head and the sampler inside the graphs too.
+                lm_head=self.model.compute_logits if self.tp.size == 1 else None,
+            )  # fmt: skip
+            self.graphs.capture()
+        if self.tp.rank == 0:
+            self.sampler.warm_up(self.dtype)
+        if self.num_blocks > 1:
+            # The copy-on-write kernel (the first fork of n > 1 or a beam would compile it
+            # mid-run): block 0 onto block 1, before any block holds a token.
+            copy_block_pairs(self.kv_cache, [(0, 1)])
+        synchronize(self.device)
+
     def release_graphs(self) -> None:
         """Drop the captured decode graphs once the device is idle; under tensor parallelism
         they hold NCCL work, so they must be gone before the process group is."""
         if self.graphs is None:
             return
-        torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         self.graphs = None
         gc.collect()
 
@@ -251,90 +219,10 @@ class ModelRunner:
         )
 
     def _blocks_for_budget(self, budget: int) -> int:
+        knobs = "kv_cache_memory" + (" or gpu_memory_utilization" if self.platform.gpu else "")
         cfg = self.config
-        num_blocks = budget // self.kv_bytes_per_block
-        blocks_per_seq = -(-self.max_model_len // self.block_size)
-        if num_blocks < blocks_per_seq:
-            knobs = "kv_cache_memory"
-            if self.device.type == "cuda":
-                knobs += " or gpu_memory_utilization"
-            raise ValueError(
-                f"the KV cache holds {num_blocks * self.block_size} tokens "
-                f"({budget / 2**20:.1f} MiB at {self.kv_bytes_per_block} bytes per block of "
-                f"{self.block_size}), less than one sequence of max_model_len="
-                f"{self.max_model_len}; raise {knobs}, or lower max_model_len"
-            )
-        # More blocks than every sequence at full length could use is wasted memory.
-        return min(num_blocks, blocks_per_seq * cfg.max_num_seqs)
-
-    def _profile_cuda_budget(self) -> int:
-        """Bytes left for KV under the utilization cap after the weights, the peak of a full
-        prefill step with its prompt-logprob chunk and its sampling (every sampling option on),
-        and what CUDA graphs of decode steps will hold."""
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        # The largest step: max_num_batched_tokens, in sequences of at most max_model_len.
-        total = self.config.max_num_batched_tokens
-        lens = [self.max_model_len] * (total // self.max_model_len)
-        if total % self.max_model_len:
-            lens.append(total % self.max_model_len)
-        blocks = [-(-n // self.block_size) for n in lens]
-        c = self.model_config
-        scratch = torch.empty(
-            2, c.num_layers, sum(blocks), self.block_size, self.num_kv_heads, c.head_dim,
-            dtype=self.kv_cache_dtype, device=self.device,
-        )
-        self.bind_kv(scratch)
-        firsts = np.cumsum([0] + blocks[:-1])
-        tables = [list(range(f, f + b)) for f, b in zip(firsts, blocks)]
-        positions, meta = self._metadata(lens, [0] * len(lens), tables)
-        input_ids = torch.zeros(total, dtype=torch.long, device=self.device)
-        rows = min(self.config.max_num_seqs, total)
-        with torch.inference_mode():
-            hidden = self.model(input_ids, positions, meta)
-            # A chunk of prompt rows scored for prompt_logprobs, as execute does beside them.
-            probe = np.arange(min(total, rows_per_chunk(c.vocab_size, PROFILE_TOPK)))
-            score_prompt_rows(self.model.compute_logits, hidden, probe, np.zeros_like(probe),
-                              np.full_like(probe, PROFILE_TOPK), c.vocab_size)  # fmt: skip
-            logits = self.model.compute_logits(hidden[:rows])  # None on ranks other than 0
-            if logits is not None:
-                self.sampler.profile(logits.float())
-            del logits
-            del hidden
-            graph_bytes = 0
-            if not self.config.enforce_eager:
-                # A decode forward at max_num_seqs: the activations the graphs' pool keeps.
-                torch.cuda.synchronize()
-                before = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                decode_lens = [1] * self.config.max_num_seqs
-                starts = [min(b * self.block_size, self.max_model_len) - 1 for b in blocks]
-                starts = (starts * self.config.max_num_seqs)[: len(decode_lens)]
-                table = (tables * self.config.max_num_seqs)[: len(decode_lens)]
-                positions, meta = self._metadata(decode_lens, starts, table)
-                ids = torch.zeros(len(decode_lens), dtype=torch.long, device=self.device)
-                hidden = self.model(ids, positions, meta)
-                if self.tp.size == 1:  # the captured samplers' logits and scratch too
-                    logits = self.model.compute_logits(hidden)
-                    st = self.sampler.profile(logits, num_logprobs=0)
-                    sample(logits, with_path(st, "frontier"))
-                    del logits
-                del hidden
-                torch.cuda.synchronize()
-                graph_bytes = torch.cuda.max_memory_allocated() - before
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - scratch.numel() * scratch.element_size()
-        del scratch
-        for layer in self.attention_layers:
-            layer.k_cache = layer.v_cache = None
-        torch.cuda.empty_cache()
-        free, total_bytes = torch.cuda.mem_get_info()
-        not_torch = total_bytes - free - torch.cuda.memory_reserved()
-        # Graph capture also takes workspaces and allocator slack beyond the activations.
-        margin = 256 << 20
-        budget = int(total_bytes * self.config.gpu_memory_utilization)
-        return max(0, budget - peak - graph_bytes - not_torch - margin)
+        return blocks_for_budget(budget, self.kv_bytes_per_block, self.block_size,
+                                 self.max_model_len, cfg.max_num_seqs, knobs)  # fmt: skip
 
     # ---- one step ------------------------------------------------------------------------
     def _host_arrays(
@@ -431,7 +319,7 @@ class ModelRunner:
             return None
         if not self._graph_decode(step) or len(step.prompt_rows):
             return None
-        if not _is_arange(step.logits_indices, len(step.context_lens)):
+        if not is_arange(step.logits_indices, len(step.context_lens)):
             return None
         return self.sampler.settings(seqs, graphs.slots)
 
@@ -454,7 +342,10 @@ class ModelRunner:
         seqs = batch.seqs
         sampled_seqs = [seqs[i] for i in range(len(seqs)) if batch.samples(i)]
         rows = self.sampler.rows(sampled_seqs)
-        step = self._step_inputs(batch, sampled_seqs, rows)
+        starts = [s.num_computed_tokens for s in seqs]
+        host = self._host_arrays(batch.num_scheduled_tokens, starts, self._tables.build(seqs))
+        shards = self.tp.size > 1 and rows.shardable
+        step = build_step_inputs(batch, host, settings_array(sampled_seqs) if shards else None)
         if self.workers is not None:
             self.workers.publish(step)  # tensor parallel: every rank runs the same step
         in_graph = self._graph_sampling(step, sampled_seqs, rows)
@@ -465,61 +356,6 @@ class ModelRunner:
         handle = self.sampler.sample(logits, sampled_seqs, rows, pending, eos_token_ids)
         handle.prompt = prompt
         return handle
-
-    def _step_inputs(
-        self, batch: ScheduledBatch, sampled_seqs: list[Sequence], rows: StepRows
-    ) -> StepInputs:
-        """The step's host arrays, built from the batch's sequences."""
-        seqs = batch.seqs
-        starts = [s.num_computed_tokens for s in seqs]
-        input_ids: list[int] = []
-        for seq, start, n in zip(seqs, starts, batch.num_scheduled_tokens):
-            input_ids.extend(seq.token_ids[start : start + n])
-            if start + n > len(seq.token_ids):
-                input_ids.append(0)  # a sample still on the device, copied in there
-        host = self._host_arrays(batch.num_scheduled_tokens, starts, self._tables.build(seqs))
-        sampling_rows = [i for i in range(len(seqs)) if batch.samples(i)]
-        last = np.cumsum(batch.num_scheduled_tokens) - 1
-        ids_np = np.asarray(input_ids, dtype=np.int64)
-        pending_dst, pending_src = self._pending_inputs(seqs, host["cu_seqlens_q"])
-        prompt = {} if not batch.prompt_logprob_spans else self._prompt_rows(
-            batch, starts, host["cu_seqlens_q"]
-        )
-        settings = None
-        if self.tp.size > 1 and rows.shardable:
-            settings = settings_array(sampled_seqs)
-        return StepInputs(
-            input_ids=ids_np,
-            positions=host["positions"],
-            slots=host["slots"],
-            tables=host["tables"],
-            context_lens=host["context_lens"],
-            cu_seqlens_q=host["cu_seqlens_q"],
-            logits_indices=last[sampling_rows].astype(np.int64),
-            blocks_to_swap_out=batch.blocks_to_swap_out,
-            blocks_to_swap_in=batch.blocks_to_swap_in,
-            blocks_to_copy=batch.blocks_to_copy,
-            pending_dst=pending_dst,
-            pending_src=pending_src,
-            **({} if settings is None else dict(sample_settings=settings)),
-            **prompt,
-        )
-
-    @staticmethod
-    def _prompt_rows(
-        batch: ScheduledBatch, starts: list[int], cu_seqlens_q: np.ndarray
-    ) -> dict[str, np.ndarray]:
-        """StepInputs' prompt rows, from the batch's prompt_logprob_spans: the step's input
-        rows of those positions, the prompt tokens they predict, the top-k each asked for."""
-        rows, targets, topk = [], [], []
-        for i, first, end in batch.prompt_logprob_spans:
-            seq = batch.seqs[i]
-            at = int(cu_seqlens_q[i]) + first - starts[i]
-            rows.append(np.arange(at, at + end - first, dtype=np.int64))
-            targets.append(np.asarray(seq.token_ids[first + 1 : end + 1], dtype=np.int64))
-            topk.append(np.full(end - first, seq.sampling_params.prompt_logprobs, np.int64))
-        return dict(prompt_rows=np.concatenate(rows), prompt_targets=np.concatenate(targets),
-                    prompt_topk=np.concatenate(topk))  # fmt: skip
 
     @torch.inference_mode()
     def execute(
@@ -532,112 +368,48 @@ class ModelRunner:
         inside the decode graph), None when nothing samples; and the prompt rows' results
         (None without any). Other ranks get (None, None)."""
         # Swaps and copy-on-write copies go before the forward (and outside any CUDA graph).
-        run_block_ops(
-            self.kv_cache,
-            self.cpu_kv_cache,
-            step.blocks_to_swap_out,
-            step.blocks_to_swap_in,
-            step.blocks_to_copy,
-        )
-        pending = self._pending_tensors(step, prev)
+        run_block_ops(self.kv_cache, self.cpu_kv_cache, step.blocks_to_swap_out,
+                      step.blocks_to_swap_in, step.blocks_to_copy)  # fmt: skip
+        pending = pending_ids(step, None if prev is None else prev.tokens, self.tp, self.device)
         if self._graph_decode(step):
-            out = self.graphs.run(
-                step.input_ids,
-                step.positions,
-                step.slots,
-                step.tables,
-                step.context_lens,
-                pending=pending,
-                sampling=sampling,
-            )
+            out = self.graphs.run(step.input_ids, step.positions, step.slots, step.tables,
+                                  step.context_lens, pending=pending, sampling=sampling)
             if isinstance(out, DeviceSamples):
                 return out, None  # sampled in the graph; no prompt row (see _graph_sampling)
             hidden = out
         else:
-            positions, meta = self._device_metadata(
-                dict(positions=step.positions, slots=step.slots, tables=step.tables,
-                     context_lens=step.context_lens, cu_seqlens_q=step.cu_seqlens_q)
-            )  # fmt: skip
-            # An 8-bit cache's first forward pass sets or checks the scales before it stores
-            # (a pass that raised, e.g. interrupted, is the first pass again next step).
-            meta.first_kv_pass = self.first_kv_pass
-            if pending is not None and pending[0] is None:
-                ids = pending[1]  # every input id is a pending sample, in its row
-            else:
-                ids = torch.from_numpy(step.input_ids).to(self.device, non_blocking=True)
-                if pending is not None:
-                    ids.index_copy_(0, *pending)
-            hidden = self.model(ids, positions, meta)
-            self.first_kv_pass = None
-            if meta.first_kv_pass == "check":
-                self._warn_past_kv_range()
+            hidden = self._forward_eager(step, pending)
         prompt = score_prompt_rows(self.model.compute_logits, hidden, step.prompt_rows,
                                    step.prompt_targets, step.prompt_topk,
                                    self.model_config.vocab_size)  # fmt: skip
         if not len(step.logits_indices):
             return None, prompt
-        if not _is_arange(step.logits_indices, len(hidden)):  # else every row samples, in order
-            # A plain torch.tensor(..., device=cuda) would wait for the device: copy
-            # asynchronously.
-            rows = torch.from_numpy(step.logits_indices).to(self.device, non_blocking=True)
-            hidden = hidden.index_select(0, rows)
+        if not is_arange(step.logits_indices, len(hidden)):  # else every row samples, in order
+            hidden = hidden.index_select(0, to_device(step.logits_indices, self.device))
         if step.samples_sharded:
             local, vocab_start = self.model.compute_local_logits(hidden)
             return sample_shards(local, vocab_start, step.sample_settings, self.tp), prompt
         return self.model.compute_logits(hidden), prompt
 
-    def _warn_past_kv_range(self) -> None:
-        """After the first forward pass over an 8-bit cache with fixed scales: warn, once,
-        when some layer's K or V passed the format's largest value (store_kv clamps them).
-        Reads kv_peaks back: one host sync, on this step only."""
-        fmax = torch.finfo(self.kv_cache_dtype).max
-        peaks = self.kv_peaks.cpu()
-        past = [f"layer {i} {'KV'[row]} {peaks[row, i].item():.4g}"
-                for i, row in sorted((i, row) for row, i in (peaks > fmax).nonzero().tolist())]
-        if past:
-            name = str(self.kv_cache_dtype).removeprefix("torch.")
-            warnings.warn(
-                f"the first forward pass stored K/V past {name}'s largest value ({fmax:g}) at "
-                f"their scales ({', '.join(past[:4])}{', ...' if len(past) > 4 else ''}): they "
-                "are clamped. Use calculate_kv_scales=True, or a checkpoint with KV scales.",
-                stacklevel=2,
-            )
-
-    @staticmethod
-    def _pending_inputs(
-        seqs: list[Sequence], cu_seqlens_q: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(input positions, rows of the previous step's samples) of the pending samples."""
-        rows = [(int(cu_seqlens_q[i + 1]) - 1, s.pending_row) for i, s in enumerate(seqs)
-                if s.pending_row is not None]  # fmt: skip
-        pairs = np.asarray(rows, dtype=np.int64).reshape(-1, 2)
-        return pairs[:, 0].copy(), pairs[:, 1].copy()
-
-    def _pending_tensors(
-        self, step: StepInputs, prev: StepHandle | None
-    ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
-        """(input positions, token ids) on the device for the step's pending samples, if any.
-        Positions are None when every input id is pending and comes from the same row of the
-        previous step's samples (a steady decode): the ids are then a view of those samples,
-        with no index arrays to copy and no gather."""
-        n = len(step.pending_dst)
-        if not n:
-            return None
-        if n == len(step.input_ids) and _is_arange(step.pending_dst, n) and _is_arange(
-            step.pending_src, n
-        ):
-            if self.tp.rank == 0:
-                assert prev is not None and prev.tokens is not None
-                values = prev.tokens[:n]
-            else:
-                values = torch.empty(n, dtype=torch.long, device=self.device)
-            return None, self.tp.broadcast(values)
-        dst = torch.from_numpy(step.pending_dst).to(self.device, non_blocking=True)
-        if self.tp.rank == 0:
-            assert prev is not None and prev.tokens is not None
-            src = torch.from_numpy(step.pending_src).to(self.device, non_blocking=True)
-            values = prev.tokens.index_select(0, src)
+    def _forward_eager(
+        self, step: StepInputs, pending: tuple[torch.Tensor | None, torch.Tensor] | None
+    ) -> torch.Tensor:
+        """The step's forward pass outside any graph: hidden [num_tokens, hidden_size]."""
+        positions, meta = self._device_metadata(
+            dict(positions=step.positions, slots=step.slots, tables=step.tables,
+                 context_lens=step.context_lens, cu_seqlens_q=step.cu_seqlens_q)
+        )  # fmt: skip
+        # An 8-bit cache's first forward pass sets or checks the scales before it stores
+        # (a pass that raised, e.g. interrupted, is the first pass again next step).
+        meta.first_kv_pass = self.first_kv_pass
+        if pending is not None and pending[0] is None:
+            ids = pending[1]  # every input id is a pending sample, in its row
         else:
-            values = torch.empty(len(dst), dtype=torch.long, device=self.device)
-        # Only rank 0 samples: the other ranks get the sampled ids from it, on the device.
-        return dst, self.tp.broadcast(values)
+            ids = to_device(step.input_ids, self.device)
+            if pending is not None:
+                ids.index_copy_(0, *pending)
+        hidden = self.model(ids, positions, meta)
+        self.first_kv_pass = None
+        if meta.first_kv_pass == "check":
+            warn_past_kv_range(self.kv_peaks, self.kv_cache_dtype)
+        return hidden

@@ -10,8 +10,8 @@ from nanopaged.config import PREEMPTION_MODES
 from nanopaged.engine.beam import beam_search_step, finalize_beams
 from nanopaged.engine.block_manager import BlockManager
 from nanopaged.engine.group import SequenceGroup
-from nanopaged.sampling.output import SampleOutput, StepLogprobs
 from nanopaged.engine.sequence import Sequence, SequenceStatus
+from nanopaged.sampling.output import SampleOutput, StepLogprobs
 
 if TYPE_CHECKING:
     from nanopaged.sampling.prompt_logprobs import PromptLogprobRows

@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
+
+from nanopaged.platform import to_device
+
+if TYPE_CHECKING:
+    from nanopaged.distributed.parallel import TensorParallel
+    from nanopaged.engine.scheduler import ScheduledBatch
 
 # num_tokens, batch, table width, logits rows, swap outs, swap ins, copies, pending, shard rows,
 # prompt rows
@@ -18,10 +26,10 @@ class StepInputs:
     Block ops are (src, dst) block pairs run before the forward pass; pending_dst are the input
     positions whose ids come from the previous step's samples on the device (rows pending_src).
     sample_settings, when it has columns (one per logits row), says the ranks sample their
-    vocabulary shards themselves (nanopaged.distributed.sharded_sampling). prompt_rows are the
+    vocabulary shards themselves (nanopaged.sampling.sharded). prompt_rows are the
     rows of the hidden states whose logits score the prompt token in prompt_targets, with the
     top prompt_topk logprobs (prompt_logprobs): every rank runs their logits, in the same
-    chunks (nanopaged.engine.prompt_logprobs).
+    chunks (nanopaged.sampling.prompt_logprobs).
     """
 
     input_ids: np.ndarray  # [num_tokens] int64
@@ -97,3 +105,88 @@ class StepInputs:
             prompt_targets=take(n_prompt),
             prompt_topk=take(n_prompt),
         )
+
+
+def is_arange(a: np.ndarray, n: int) -> bool:
+    """Whether a is [0, 1, ..., n - 1]."""
+    if len(a) != n:
+        return False
+    return n == 0 or (a[0] == 0 and a[-1] == n - 1 and bool((a == np.arange(n)).all()))
+
+
+def build_step_inputs(
+    batch: ScheduledBatch, host: dict[str, np.ndarray], sample_settings: np.ndarray | None
+) -> StepInputs:
+    """A batch's StepInputs: its input ids (0 where a sample is still on the device), the
+    host arrays of its positions and slots (host, from the attention metadata's builder), its
+    sampled rows, block ops, pending samples and prompt rows."""
+    seqs = batch.seqs
+    input_ids: list[int] = []
+    for seq, n in zip(seqs, batch.num_scheduled_tokens):
+        start = seq.num_computed_tokens
+        input_ids.extend(seq.token_ids[start : start + n])
+        if start + n > len(seq.token_ids):
+            input_ids.append(0)  # a sample still on the device, copied in there
+    cu = host["cu_seqlens_q"]
+    sampling_rows = [i for i in range(len(seqs)) if batch.samples(i)]
+    # (input position, row of the previous step's samples) of each pending sample
+    pending = np.asarray([(int(cu[i + 1]) - 1, s.pending_row) for i, s in enumerate(seqs)
+                          if s.pending_row is not None], dtype=np.int64).reshape(-1, 2)  # fmt: skip
+    extra = {} if sample_settings is None else dict(sample_settings=sample_settings)
+    if batch.prompt_logprob_spans:
+        extra.update(_prompt_rows(batch, cu))
+    return StepInputs(
+        input_ids=np.asarray(input_ids, dtype=np.int64),
+        positions=host["positions"],
+        slots=host["slots"],
+        tables=host["tables"],
+        context_lens=host["context_lens"],
+        cu_seqlens_q=cu,
+        logits_indices=(cu[1:] - 1)[sampling_rows].astype(np.int64),
+        blocks_to_swap_out=batch.blocks_to_swap_out,
+        blocks_to_swap_in=batch.blocks_to_swap_in,
+        blocks_to_copy=batch.blocks_to_copy,
+        pending_dst=pending[:, 0].copy(),
+        pending_src=pending[:, 1].copy(),
+        **extra,
+    )
+
+
+def _prompt_rows(batch: ScheduledBatch, cu_seqlens_q: np.ndarray) -> dict[str, np.ndarray]:
+    """StepInputs' prompt rows, from the batch's prompt_logprob_spans: the step's input rows
+    of those positions, the prompt tokens they predict, the top-k each asked for."""
+    rows, targets, topk = [], [], []
+    for i, first, end in batch.prompt_logprob_spans:
+        seq = batch.seqs[i]
+        at = int(cu_seqlens_q[i]) + first - seq.num_computed_tokens
+        rows.append(np.arange(at, at + end - first, dtype=np.int64))
+        targets.append(np.asarray(seq.token_ids[first + 1 : end + 1], dtype=np.int64))
+        topk.append(np.full(end - first, seq.sampling_params.prompt_logprobs, np.int64))
+    return dict(prompt_rows=np.concatenate(rows), prompt_targets=np.concatenate(targets),
+                prompt_topk=np.concatenate(topk))  # fmt: skip
+
+
+def pending_ids(
+    step: StepInputs, prev_tokens: torch.Tensor | None, tp: TensorParallel, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """(input positions, token ids) on the device for the step's pending samples, if any, from
+    the previous step's sampled tokens (rank 0's; the other ranks get them broadcast, on the
+    device). Positions are None when every input id is pending and comes from the same row of
+    the previous step's samples (a steady decode): the ids are then a view of those samples,
+    with no index arrays to copy and no gather."""
+    n = len(step.pending_dst)
+    if not n:
+        return None
+    if tp.rank == 0:
+        assert prev_tokens is not None, "pending samples need the previous step's tokens"
+    steady = n == len(step.input_ids) and is_arange(step.pending_dst, n)
+    if steady and is_arange(step.pending_src, n):
+        values = prev_tokens[:n] if tp.rank == 0 else torch.empty(n, dtype=torch.long,
+                                                                   device=device)  # fmt: skip
+        return None, tp.broadcast(values)
+    dst = to_device(step.pending_dst, device)
+    if tp.rank == 0:
+        values = prev_tokens.index_select(0, to_device(step.pending_src, device))
+    else:
+        values = torch.empty(n, dtype=torch.long, device=device)
+    return dst, tp.broadcast(values)

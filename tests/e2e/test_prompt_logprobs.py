@@ -18,7 +18,7 @@ from tiny_models import make_tiny_model
 
 import nanopaged.engine.model_runner as model_runner
 from nanopaged import LLM, SamplingParams
-from nanopaged.engine import prompt_logprobs
+from nanopaged.sampling import prompt_logprobs
 from nanopaged.engine.step_inputs import StepInputs
 
 LENGTHS = (1, 2, 9, 40, 100)

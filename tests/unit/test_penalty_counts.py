@@ -7,8 +7,8 @@ import random
 
 import torch
 
-from nanopaged.sampling.penalties import PenaltyCounts
 from nanopaged.engine.sequence import Sequence, SequenceStatus
+from nanopaged.sampling.penalties import PenaltyCounts
 from nanopaged.sampling_params import SamplingParams
 
 VOCAB = 50

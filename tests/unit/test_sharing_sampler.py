@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from nanopaged.engine.group import SequenceGroup
-from nanopaged.sampling.host import sample_sequences
-from nanopaged.sampling.penalties import penalize
 from nanopaged.engine.sequence import Sequence
 from nanopaged.kernels.penalties import apply_penalties
+from nanopaged.sampling.host import sample_sequences
+from nanopaged.sampling.penalties import penalize
 from nanopaged.sampling_params import BeamSearchParams, SamplingParams
 
 VOCAB = 30

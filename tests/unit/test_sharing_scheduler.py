@@ -9,9 +9,9 @@ import pytest
 
 from nanopaged.engine.block_manager import BlockManager
 from nanopaged.engine.group import SequenceGroup
-from nanopaged.sampling.output import SampleOutput
 from nanopaged.engine.scheduler import Scheduler
 from nanopaged.engine.sequence import Sequence, SequenceStatus
+from nanopaged.sampling.output import SampleOutput
 from nanopaged.sampling_params import BeamSearchParams, SamplingParams
 
 BS = 4

@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from nanopaged.engine.block_manager import BlockManager
-from nanopaged.sampling.output import StepHandle
-from nanopaged.sampling.output import SampleOutput, StepLogprobs
 from nanopaged.engine.scheduler import Scheduler
 from nanopaged.engine.sequence import Sequence, SequenceStatus
 from nanopaged.outputs import LazyLogprobs, Logprob
+from nanopaged.sampling.output import SampleOutput, StepHandle, StepLogprobs
 from nanopaged.sampling_params import SamplingParams
 
 VOCAB = 300
