@@ -21,6 +21,7 @@ from tiny_models import add_byte_tokenizer, make_tiny_model
 
 from nanopaged import LLM, BeamSearchParams, Logprob, SamplingParams
 from nanopaged.engine import llm_engine, model_runner
+from nanopaged.sampling import sampler as sampler_module
 
 # Tight enough that prefills are chunked and sequences get preempted.
 ENGINE = dict(kv_cache_memory=24 * 8192, max_model_len=128, max_num_batched_tokens=48)
@@ -137,7 +138,7 @@ def _inject(llm: LLM, monkeypatch, where: str, k: int, exc: type[BaseException])
     if where == "sampler":  # both the plain sampler and the one for forks/logprobs/penalties
         calls = [0]
         for name in ("sample", "sample_sequences"):
-            real = getattr(model_runner, name)
+            real = getattr(sampler_module, name)
 
             def wrapper(*args, _real=real, **kwargs):
                 calls[0] += 1
@@ -145,7 +146,7 @@ def _inject(llm: LLM, monkeypatch, where: str, k: int, exc: type[BaseException])
                     raise exc("injected")
                 return _real(*args, **kwargs)
 
-            monkeypatch.setattr(model_runner, name, wrapper)
+            monkeypatch.setattr(sampler_module, name, wrapper)
         return calls
     if where == "forward":  # between the two decoder layers: layer 0 has written its KV
         layer = llm.runner.model.model.layers[1]

@@ -18,7 +18,7 @@ import pytest
 from tiny_models import add_byte_tokenizer, make_tiny_model
 
 from nanopaged import LLM, BeamSearchParams, SamplingParams
-from nanopaged.engine import model_runner
+from nanopaged.sampling import sampler as sampler_module
 
 NUM_REQUESTS = int(os.environ.get("NANOPAGED_SOAK", "1500"))
 MAX_RSS_GROWTH = 50 * 2**20
@@ -83,7 +83,7 @@ def _interrupt_at_sampling_call(monkeypatch, k: int) -> None:
     """Raise KeyboardInterrupt from the k-th sampling call of the runner (either sampler)."""
     left = [k]
     for name in ("sample", "sample_sequences"):
-        real = getattr(model_runner, name)
+        real = getattr(sampler_module, name)
 
         def wrapper(*args, _real=real, **kwargs):
             left[0] -= 1
@@ -91,7 +91,7 @@ def _interrupt_at_sampling_call(monkeypatch, k: int) -> None:
                 raise KeyboardInterrupt
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(model_runner, name, wrapper)
+        monkeypatch.setattr(sampler_module, name, wrapper)
 
 
 def test_soak(tmp_path_factory, monkeypatch):
