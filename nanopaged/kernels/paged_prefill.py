@@ -126,6 +126,22 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _fresh_diagonal(q, m_i, l_i, acc, k_new_desc, v_new_desc, q_start, n0, col, n_offs, rows,
+                        rows_end, qk_scale, PAST_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        # One causal tile of this step's keys, read whole from k_new/v_new: key j (0-based in
+        # the chunk) is visible to query row r when j <= r < rows_end. PAST_ROWS: the tile
+        # reaches past this sequence's rows into the next sequence's (or TMA's zeros past the
+        # last), whose V is zeroed: p = 0 does not cancel a NaN of another request (0 * NaN).
+        tokens = n0 + n_offs
+        in_rows = tokens < rows_end
+        k = k_new_desc.load([q_start + n0, col])
+        v = v_new_desc.load([q_start + n0, col])
+        if PAST_ROWS:
+            v = tl.where(in_rows[:, None], v, 0.0)
+        visible = (tokens[None, :] <= rows[:, None]) & in_rows[None, :]
+        return _softmax_update(q, k, v, m_i, l_i, acc, visible, qk_scale, True, DOT_PRECISION)
+
+    @triton.jit
     def _unmasked_tiles(q, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr, full_end, n_offs,
                         dims, head_off, stride_cb, stride_ct, v_strides, qk_scale,
                         BLOCK_SIZE: tl.constexpr,
@@ -243,9 +259,8 @@ if triton is not None:
                                             stride_ct, v_strides, qk_scale, BLOCK_SIZE, BLOCK_N,
                                             NUM_STAGES, PREFETCH, DOT_PRECISION)
         if FRESH:
-            # The prefix's last partial tile, then this step's keys: key j (0-based in the
-            # chunk) is visible to query row r when j <= r. A tile loaded whole may reach into
-            # the next sequence's rows (zeros past the last row): the mask drops them.
+            # The prefix's last partial tile (masked loads: nothing past the prefix is read),
+            # then this step's keys.
             if PREFIX:
                 for n0 in tl.range(full_end, prefix, BLOCK_N):
                     tokens = n0 + n_offs
@@ -264,13 +279,17 @@ if triton is not None:
                 v = v_new_desc.load([q_start + n0, col])
                 m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, None, qk_scale, False,
                                                 DOT_PRECISION)
-            for n0 in tl.range(fresh_full, rows_end, BLOCK_N):
-                tokens = n0 + n_offs
-                k = k_new_desc.load([q_start + n0, col])
-                v = v_new_desc.load([q_start + n0, col])
-                visible = (tokens[None, :] <= rows[:, None]) & (tokens < rows_end)[None, :]
-                m_i, l_i, acc = _softmax_update(q, k, v, m_i, l_i, acc, visible, qk_scale, True,
-                                                DOT_PRECISION)
+            # Diagonal tiles inside the sequence's rows, then the one tile (if any) that
+            # reaches past them into the next sequence's: only that one zeroes V there.
+            seq_full = q_len // BLOCK_N * BLOCK_N
+            for n0 in tl.range(fresh_full, tl.minimum(rows_end, seq_full), BLOCK_N):
+                m_i, l_i, acc = _fresh_diagonal(q, m_i, l_i, acc, k_new_desc, v_new_desc,
+                                                q_start, n0, col, n_offs, rows, rows_end,
+                                                qk_scale, False, DOT_PRECISION)
+            for n0 in tl.range(tl.maximum(fresh_full, seq_full), rows_end, BLOCK_N):
+                m_i, l_i, acc = _fresh_diagonal(q, m_i, l_i, acc, k_new_desc, v_new_desc,
+                                                q_start, n0, col, n_offs, rows, rows_end,
+                                                qk_scale, True, DOT_PRECISION)
         else:
             # The diagonal: causal mask, and no read past this tile's last query position.
             kv_end = prefix + rows_end
