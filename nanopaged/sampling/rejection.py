@@ -21,13 +21,17 @@ own draw at a position is the Gumbel-max sample y_j that the plain sampler would
   depend on speculation (up to the verifying step's logits rounding differently from a decode
   step's).
 - Sampled rows with a draft distribution q (a draft model's, draft_probs): accept d_j with
-  probability min(1, p_j(d_j) / q_j(d_j)) (a two-way Gumbel draw keyed by the two token ids
-  past the vocabulary, so independent of the token noise at that position); at the first
-  rejection draw from normalize(max(0, p_j - q_j)) with the position's token noise; the bonus
-  is y_k. The output keeps the target's distribution and is reproducible for a seed whatever
-  the batch, but accepted drafts are the draft model's tokens, so it is not the token sequence
-  of a run without speculation. (A draft model that draws its tokens with the same keyed noise
-  and passes draft_probs=None gets bit-identical outputs instead, at a lower acceptance rate.)
+  probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection draw from
+  normalize(max(0, p_j - q_j)); the bonus is y_k. The accept draw (two-way) and the residual
+  draw use the noise of token ids past the vocabulary (vocab, vocab + 1; vocab + 2 ..) at the
+  position, which no token draw uses: the draft model may draw d_j with the plain sampler's
+  keyed noise at that position (a draft drawn with it tells which tokens' noise was low, and a
+  residual drawn with it too came out biased). The output keeps the target's distribution and
+  is reproducible for a seed whatever the batch, but accepted drafts are the draft model's
+  draws, so it is not the token sequence of a run without speculation. A draft model that
+  draws with the plain sampler's keyed noise and passes draft_probs=None instead is verified
+  as one-hot drafts: bit-identical outputs, at a lower acceptance rate (both draws share the
+  noise, so they agree often when q is near p, and always when q = p).
 
 Penalties, min_tokens masks, logit controls and grammar masks are the caller's: each verified
 position's logits row must come with them applied as they would be at that position.
@@ -148,22 +152,28 @@ def filtered_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return probs
 
 
+def _private_draw(logits: torch.Tensor, st: SamplingTensors, first_id: int) -> torch.Tensor:
+    """[rows] the Gumbel-max draw from logits rows (temperature 1, no filters) with the noise
+    of token ids first_id.. at each row's (seed, position): ids past the vocabulary, which no
+    token draw at that position uses (a draft model may draw with the plain sampler's)."""
+    u = _unfiltered(st)
+    return backend_for(logits.device).sample(
+        logits, u.temperatures, u.top_ks, u.top_ps, u.min_ps, u.seeds, u.offsets, 0, first_id,
+        logprobs=False, plain=True, min_p=False, top_k=False,
+    ).token_ids  # fmt: skip
+
+
 def _accept_draws(
     p_draft: torch.Tensor, q_draft: torch.Tensor, st: SamplingTensors, vocab: int
 ) -> torch.Tensor:
-    """[num_drafts] bool: each draft accepted with probability min(1, p / q), drawn with the
-    noise of token ids vocab and vocab + 1 at its row's (seed, position)."""
+    """[num_drafts] bool: each draft accepted with probability min(1, p / q), a two-way draw
+    with the noise of ids vocab and vocab + 1 at its row's (seed, position)."""
     # A draft its own distribution could not have drawn (q = 0) is accepted when p allows it.
     ratio = torch.where(q_draft > 0, p_draft / q_draft.clamp_min(1e-30), (p_draft > 0).float())
     accept = ratio.clamp(0.0, 1.0)
     # choices: [num_drafts, 2] = log-odds of accepting, of rejecting
     choices = torch.stack([accept.log(), torch.log1p(-accept)], dim=1)
-    u = _unfiltered(st)
-    drawn = backend_for(choices.device).sample(
-        choices, u.temperatures, u.top_ks, u.top_ps, u.min_ps, u.seeds, u.offsets, 0, vocab,
-        logprobs=False, plain=True, min_p=False, top_k=False,
-    )  # fmt: skip
-    return drawn.token_ids == 0
+    return _private_draw(choices, st, vocab) == 0
 
 
 def _draft_model_fixes(
@@ -186,7 +196,9 @@ def _draft_model_fixes(
     # p and q equal up to rounding leave no residual mass: then p itself (a rejection there
     # has probability ~0 anyway).
     residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
-    fixes = sample(residual.log(), _unfiltered(st)).token_ids
+    # Not the position's token noise: a draft drawn with it would bias the residual draw (the
+    # draft being d says the noise of tokens likely under q was low).
+    fixes = _private_draw(residual.log(), st, vocab + 2)
     greedy = st.temperatures == 0
     accepted = torch.where(greedy, target == drafts, accepted)
     return accepted, torch.where(greedy, target, fixes)

@@ -16,6 +16,7 @@ CPU = torch.device("cpu")
 # (temperature, top_k, top_p, min_p) of the rows of mixed batches.
 MIXED = [(0.0, -1, 1.0, 0.0), (1.0, -1, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.2, -1, 0.8, 0.0),
          (0.9, -1, 1.0, 0.1), (0.8, 20, 0.9, 0.05)]  # fmt: skip
+PLAIN = (1.0, -1, 1.0, 0.0)
 
 
 def settings(rows, seeds, offsets):
@@ -126,11 +127,15 @@ def marginals(table: torch.Tensor, first_prev: int, positions: int) -> torch.Ten
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("drafts_from", ["one_hot", "draft_model"])
+@pytest.mark.parametrize("drafts_from", ["one_hot", "draft_model", "draft_model_keyed", "coupled"])
 def test_each_position_keeps_the_target_distribution(drafts_from):
     """A chain over 8 tokens whose logits depend on the position and the previous token,
     decoded by speculation with k = 6 for 4,000 seeds; the tokens at output positions 0..5
-    follow the target's marginals (chi-square), not the drafts'."""
+    follow the target's marginals (chi-square), not the drafts'.
+
+    Drafts: n-gram-like guesses (one-hot q); a draft model's samples, drawn with a generator
+    of their own or with the plain sampler's keyed noise (the noise the target's own draw uses
+    at that position), verified with their q; the keyed samples verified as one-hot drafts."""
     vocab, k, trials, positions, prompt_last = 8, 6, 4000, 6, 3
     gen = torch.Generator().manual_seed(2)
     horizon = (k + 1) * positions  # the furthest position a step can verify
@@ -157,8 +162,12 @@ def test_each_position_keeps_the_target_distribution(drafts_from):
                 d = torch.where(torch.rand(trials, generator=gen) < 0.5, guess, other)
             else:
                 q = q_table[t, verify[-1]]
-                d = torch.multinomial(q, 1, generator=gen)[:, 0]
-                q_rows.append(q)
+                if drafts_from == "draft_model":
+                    d = torch.multinomial(q, 1, generator=gen)[:, 0]
+                else:
+                    d = sample(q.log(), settings([PLAIN] * trials, seeds, t.tolist())).token_ids
+                if drafts_from != "coupled":
+                    q_rows.append(q)
             drafts.append(d)
             verify.append(d)
         # logits: [trials, k + 1, vocab], position j given the drafts before it
@@ -177,9 +186,25 @@ def test_each_position_keeps_the_target_distribution(drafts_from):
     for t in range(positions):
         counts = torch.bincount(torch.tensor([o[t] for o in outputs]), minlength=vocab).double()
         assert chi_square_p(counts, want[t]) > 1e-3, (t, counts, want[t] * trials)
-        if drafts_from == "draft_model":
+        if drafts_from.startswith("draft_model"):
             # The test can tell: the drafts' own distribution is far from what came out.
             assert chi_square_p(counts, drafts_only[t]) < 1e-6, t
+
+
+def test_drafts_drawn_with_the_keyed_noise_leave_the_residual_unbiased():
+    """A draft model that draws with the plain sampler's noise at the position (as the target
+    would) must not bias the draw at a rejection: 100,000 one-draft rows see p exactly (with
+    the residual drawn from the position's token noise they were off by 0.7% at token 0)."""
+    vocab, trials = 6, 100_000
+    p_logits = torch.tensor([2.0, 1.5, 0.0, -1.0, 0.5, 1.0])
+    q = torch.softmax(torch.tensor([0.0, 2.5, 1.0, -1.0, 2.0, -0.5]), dim=0)
+    st = settings([PLAIN] * trials, range(trials), [0] * trials)
+    drafts = sample(q.log().expand(trials, vocab).contiguous(), st).token_ids
+    logits = p_logits.expand(2 * trials, vocab).contiguous()
+    out = rejection_sample(logits, st, drafts, [1] * trials, q.expand(trials, vocab).contiguous())
+    assert 0.3 < out.num_accepted.float().mean().item() < 0.9
+    counts = torch.bincount(out.token_ids[:, 0], minlength=vocab).double()
+    assert chi_square_p(counts, torch.softmax(p_logits.double(), dim=0)) > 1e-3
 
 
 @pytest.mark.parametrize("with_q", [False, True])
