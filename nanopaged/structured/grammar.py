@@ -31,7 +31,8 @@ def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
     kind = spec.kind
     if kind == "json":
         schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
-        return kind, json.dumps(schema, sort_keys=True)
+        # Keys keep their order: the properties of an object are generated in it.
+        return kind, json.dumps(schema)
     if kind == "choice":
         return kind, json.dumps(list(spec.choice))
     if kind == "json_object":
