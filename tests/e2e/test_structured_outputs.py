@@ -214,9 +214,16 @@ def test_run_batch_json_schema_records_validate(llm, tmp_path):
 
     lines = []
     for i, (what, schema) in enumerate(SCHEMAS[:4]):
-        body = {"messages": _ask(what), "temperature": 0.7, "seed": i, "max_tokens": MAX_TOKENS,
-                "response_format": {"type": "json_schema",
-                                    "json_schema": {"name": f"s{i}", "schema": schema}}}
+        body = {
+            "messages": _ask(what),
+            "temperature": 0.7,
+            "seed": i,
+            "max_tokens": MAX_TOKENS,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": f"s{i}", "schema": schema},
+            },
+        }
         lines.append(json.dumps({"custom_id": f"r{i}", "method": "POST",
                                  "url": "/v1/chat/completions", "body": body}))  # fmt: skip
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
