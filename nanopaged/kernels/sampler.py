@@ -146,12 +146,15 @@ def apply_bitmask_ref(
     bitmask row bitmask_rows[i] (-1: no mask), or row i when bitmask_rows is None."""
     batch, vocab = logits.shape
     rows = check_bitmask(bitmask, bitmask_rows, batch, vocab, vocab_start, logits.device)
-    token = torch.arange(vocab_start, vocab_start + vocab, device=logits.device)
-    # words: [batch, vocab], each column's word of its row's mask (all bits set: no mask)
-    words = bitmask[rows.clamp(min=0).long()][:, token // 32]
-    words = words.masked_fill((rows < 0)[:, None], -1)
-    keep = ((words >> (token % 32).to(torch.int32)) & 1).bool()
-    return logits.masked_fill(~keep, float("-inf"))
+    constrained = (rows >= 0).nonzero().flatten()
+    out = logits.clone()
+    if len(constrained):  # only the constrained rows unpack their words (the CPU path)
+        token = torch.arange(vocab_start, vocab_start + vocab, device=logits.device)
+        # words: [constrained, vocab], each column's word of its row's mask
+        words = bitmask[rows[constrained].long()][:, token // 32]
+        keep = ((words >> (token % 32).to(torch.int32)) & 1).bool()
+        out[constrained] = logits[constrained].masked_fill(~keep, float("-inf"))
+    return out
 
 
 # Columns per chunk of argmax_ref's two-level search.
