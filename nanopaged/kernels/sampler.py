@@ -147,13 +147,19 @@ def apply_bitmask_ref(
     batch, vocab = logits.shape
     rows = check_bitmask(bitmask, bitmask_rows, batch, vocab, vocab_start, logits.device)
     constrained = (rows >= 0).nonzero().flatten()
+    if len(constrained) == 0:
+        return logits.clone()
+    # Only the constrained rows unpack their words (this is the CPU path's mask).
+    bits = torch.ones(32, dtype=torch.int32, device=logits.device) << torch.arange(
+        32, dtype=torch.int32, device=logits.device
+    )  # 1 << 31 is the sign bit
+    words = bitmask[rows[constrained].long()]  # [constrained, num_words]
+    # keep: [constrained, vocab], bit t % 32 of word t // 32 for token t = vocab_start + j
+    keep = ((words[:, :, None] & bits) != 0).flatten(1)[:, vocab_start : vocab_start + vocab]
+    if len(constrained) == batch:  # every row: no gather and scatter of rows
+        return logits.masked_fill(~keep, float("-inf"))
     out = logits.clone()
-    if len(constrained):  # only the constrained rows unpack their words (the CPU path)
-        token = torch.arange(vocab_start, vocab_start + vocab, device=logits.device)
-        # words: [constrained, vocab], each column's word of its row's mask
-        words = bitmask[rows[constrained].long()][:, token // 32]
-        keep = ((words >> (token % 32).to(torch.int32)) & 1).bool()
-        out[constrained] = logits[constrained].masked_fill(~keep, float("-inf"))
+    out[constrained] = logits[constrained].masked_fill(~keep, float("-inf"))
     return out
 
 
