@@ -116,10 +116,9 @@ def _ask(what: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    import os
-
-    os.environ.setdefault("NANOPAGED_CACHE", str(tmp_path_factory.mktemp("cache")))
-    return LLM(dtype="float32", device="cpu", seed=0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOPAGED_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield LLM(dtype="float32", device="cpu", seed=0)
 
 
 def _params(seed: int, spec: StructuredOutputsParams, **kw) -> SamplingParams:
@@ -188,7 +187,7 @@ def test_parallel_samples_each_follow_the_grammar(llm):
     assert sum(c.finish_reason == "stop" for o in outs for c in o.outputs) >= 6
 
 
-def test_greedy_constrained_equals_itself_and_seeds_reproduce(llm):
+def test_constrained_greedy_and_seeded_draws_reproduce(llm):
     spec = StructuredOutputsParams(json=SCHEMAS[3][1])
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=spec)
     a = llm.chat([_ask(SCHEMAS[3][0])] * 2, greedy, use_tqdm=False)
