@@ -12,7 +12,12 @@ from nanopaged.outputs import (
     RequestOutput,
 )
 from nanopaged.sampling.output import NonFiniteLogitsError
-from nanopaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from nanopaged.sampling_params import (
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 __all__ = [
     "LLM",
@@ -21,6 +26,7 @@ __all__ = [
     "RequestOutputKind",
     "NonFiniteLogitsError",
     "SamplingParams",
+    "StructuredOutputsParams",
     "BeamSearchParams",
     "RequestOutput",
     "CompletionOutput",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json as json_lib
 import math
 from dataclasses import dataclass
 
@@ -20,6 +21,94 @@ def _check_int(name: str, value: object) -> None:
 def _check_number(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+
+
+# StructuredOutputsParams' fields, in the order error messages list them.
+_STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's names); set exactly one field.
+
+    json: a JSON schema (a dict, or its text) the output must match; regex: a regular
+    expression the whole output must match; choice: the output is one of these strings;
+    grammar: a Lark grammar (llguidance's dialect; GBNF is converted); json_object: True for
+    any JSON object. The content of a spec (a schema's keywords, a regex, a grammar's rules) is
+    checked when a request is made (nanopaged.structured.validate), before any work starts.
+    A constrained row's logprobs are those of the masked distribution (disallowed tokens
+    -inf), and EOS may end it only where the grammar accepts. Needs the `structured` extra
+    (llguidance).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.json is not None:
+            if not isinstance(self.json, (str, dict)):
+                raise TypeError(
+                    f"structured_outputs.json must be a dict or a str (a JSON schema), "
+                    f"got {type(self.json).__name__}"
+                )
+            if isinstance(self.json, str):
+                try:
+                    schema = json_lib.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+                if not isinstance(schema, (dict, bool)):
+                    raise ValueError(
+                        "structured_outputs.json must hold a JSON schema (an object), "
+                        f"got {type(schema).__name__}"
+                    )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(
+                    f"structured_outputs.{name} must be a non-empty str, got {value!r}"
+                )
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)):
+                raise TypeError(
+                    "structured_outputs.choice must be a list of str, "
+                    f"got {type(self.choice).__name__}"
+                )
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError(
+                    "structured_outputs.choice must be a non-empty list of non-empty str, "
+                    f"got {self.choice!r}"
+                )
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise TypeError(
+                "structured_outputs.json_object must be a bool, "
+                f"got {type(self.json_object).__name__}"
+            )
+        given = [name for name in _STRUCTURED_FIELDS if self._is_set(name)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object (True); got {', '.join(given) if given else 'none'}"
+            )
+
+    def _is_set(self, name: str) -> bool:
+        value = getattr(self, name)
+        return bool(value) if name == "json_object" else value is not None
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(name for name in _STRUCTURED_FIELDS if self._is_set(name))
+
+
+def _check_structured_outputs(value: object) -> None:
+    if value is not None and not isinstance(value, StructuredOutputsParams):
+        raise TypeError(
+            "structured_outputs must be a StructuredOutputsParams or None, "
+            f"got {type(value).__name__}"
+        )
 
 
 class RequestOutputKind(enum.Enum):
@@ -83,8 +172,10 @@ class SamplingParams:
     best_of: int | None = None
     extra_args: dict | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        _check_structured_outputs(self.structured_outputs)
         for name in ("n", "top_k", "min_tokens"):
             _check_int(name, getattr(self, name))
         if self.max_tokens is not None:

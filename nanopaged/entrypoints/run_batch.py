@@ -2,6 +2,9 @@
 
 Input lines are {"custom_id", "method": "POST", "url": "/v1/chat/completions" or
 "/v1/completions", "body": {...}} (the format of OpenAI's Batch API and `vllm run-batch`).
+A body's "response_format" ({"type": "json_schema", "json_schema": {"name", "schema"}},
+{"type": "json_object"} or {"type": "text"}) or "structured_outputs" (vLLM's: one of "json",
+"regex", "choice", "grammar", "json_object") constrains its output (the `structured` extra).
 
 Every input line gets a record: the response (status 200), or an error (status 400) when the
 line is not UTF-8 or JSON, a field is wrong, the model refuses the request (too long, too many
@@ -35,7 +38,7 @@ from nanopaged.engine.processor import text_parts_joined
 from nanopaged.inputs import TokensPrompt, check_unicode
 from nanopaged.llm import LLM
 from nanopaged.outputs import CompletionOutput, RequestOutput
-from nanopaged.sampling_params import SamplingParams
+from nanopaged.sampling_params import SamplingParams, StructuredOutputsParams
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -77,6 +80,60 @@ def _int(body: dict, name: str, default):
     return value
 
 
+def _response_format(fmt: object) -> StructuredOutputsParams | None:
+    if not isinstance(fmt, dict):
+        raise BadRequest(f"body.response_format must be an object, got {type(fmt).__name__}")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind != "json_schema":
+        raise BadRequest(
+            "body.response_format.type must be 'text', 'json_object' or 'json_schema', "
+            f"got {kind!r}"
+        )
+    spec = fmt.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise BadRequest(
+            'body.response_format must be {"type": "json_schema", "json_schema": {"name": ..., '
+            '"schema": {...}}} with the schema an object'
+        )
+    return StructuredOutputsParams(json=schema)
+
+
+def structured_outputs_from_body(body: dict) -> StructuredOutputsParams | None:
+    """The output constraint a body asks for (response_format or vLLM's structured_outputs),
+    its schema, regex or grammar checked (nanopaged.structured.validate); None: none."""
+    fmt, extra = body.get("response_format"), body.get("structured_outputs")
+    try:
+        spec = None if fmt is None else _response_format(fmt)
+        if extra is not None:
+            if not isinstance(extra, dict):
+                raise BadRequest("body.structured_outputs must be an object")
+            if spec is not None:
+                raise BadRequest("body has both a JSON response_format and structured_outputs")
+            unknown = sorted(set(extra) - {"json", "regex", "choice", "grammar", "json_object"})
+            if unknown:
+                raise BadRequest(
+                    f"body.structured_outputs takes json, regex, choice, grammar or "
+                    f"json_object, got {', '.join(map(repr, unknown))}"
+                )
+            spec = StructuredOutputsParams(**extra)
+    except (ValueError, TypeError) as e:  # StructuredOutputsParams' checks, unknown fields
+        raise BadRequest(f"body: {e}") from None
+    if spec is None:
+        return None
+    try:
+        from nanopaged.structured import validate  # only a constrained request needs llguidance
+
+        validate(spec)
+    except (ValueError, ImportError) as e:
+        raise BadRequest(f"body: {e}") from None
+    return spec
+
+
 def sampling_params_from_body(body: dict, url: str, defaults: SamplingParams) -> SamplingParams:
     """The SamplingParams an OpenAI request body asks for, over the model's defaults."""
     if url == CHAT_URL:
@@ -101,6 +158,7 @@ def sampling_params_from_body(body: dict, url: str, defaults: SamplingParams) ->
             logit_bias = {int(k): v for k, v in logit_bias.items()}
         except ValueError as e:
             raise BadRequest(f"body.logit_bias keys must be token ids: {e}") from None
+    structured_outputs = structured_outputs_from_body(body)
     try:
         return SamplingParams(
             n=_int(body, "n", 1),
@@ -116,6 +174,7 @@ def sampling_params_from_body(body: dict, url: str, defaults: SamplingParams) ->
             stop=stop,
             logprobs=logprobs,
             logit_bias=logit_bias,
+            structured_outputs=structured_outputs,
         )
     except (ValueError, TypeError) as e:
         raise BadRequest(f"body: {e}") from None

@@ -11,6 +11,8 @@ Semantics, per row of logits [batch, vocab], all in fp32 on x = logits * (1 / te
       4e-7: hash_rng.gumbel), u from a counter-based hash of (seed, offset, token index): a
       row's token depends only on its logits, settings, seed and offset, never on the batch.
 Logprobs are log_softmax of the logits passed in, before temperature (vLLM's raw logprobs).
+A bitmask (structured outputs) sets the tokens it clears to -inf as the row is loaded, before
+all of the above: a constrained row's logprobs are those of the masked distribution.
 min_tokens is the caller's: it sets a banned stop token's logit to -inf (a -inf token is never
 allowed). Penalties are the caller's too: sampling/penalties.penalize applies them first
 (kernels/penalties.py, one pass over the penalized rows), and then the logprobs are of the
@@ -108,18 +110,77 @@ def allowed_mask_ref(
     return allowed
 
 
+def check_bitmask(
+    bitmask: torch.Tensor,
+    bitmask_rows: torch.Tensor | None,
+    batch: int,
+    vocab: int,
+    vocab_start: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """The [batch] int32 bitmask row of each logits row (bitmask_rows, or row i -> i when
+    None) once bitmask's layout is checked: int32 [num_masks, words] on device, words covering
+    the token ids vocab_start + vocab - 1."""
+    assert bitmask.dim() == 2 and bitmask.dtype == torch.int32, (bitmask.shape, bitmask.dtype)
+    assert bitmask.stride(1) == 1 and bitmask.device == device, (bitmask.stride(), device)
+    assert 32 * bitmask.shape[1] >= vocab_start + vocab, (bitmask.shape, vocab_start, vocab)
+    if bitmask_rows is None:
+        assert bitmask.shape[0] >= batch, (bitmask.shape, batch)
+        return torch.arange(batch, dtype=torch.int32, device=device)
+    assert bitmask_rows.shape == (batch,) and bitmask_rows.dtype == torch.int32, (
+        bitmask_rows.shape, bitmask_rows.dtype,
+    )  # fmt: skip
+    assert bitmask_rows.is_contiguous() and bitmask_rows.device == device
+    return bitmask_rows
+
+
+def apply_bitmask_ref(
+    logits: torch.Tensor,
+    bitmask: torch.Tensor,
+    bitmask_rows: torch.Tensor | None = None,
+    vocab_start: int = 0,
+) -> torch.Tensor:
+    """logits [batch, vocab] with -inf where a row's bitmask clears its token's bit (a new
+    tensor, logits' dtype). bitmask: int32 [num_masks, ceil(vocab_size / 32)], bit t % 32 of
+    word t // 32 set = token id t allowed; column j is token id vocab_start + j; row i takes
+    bitmask row bitmask_rows[i] (-1: no mask), or row i when bitmask_rows is None."""
+    batch, vocab = logits.shape
+    rows = check_bitmask(bitmask, bitmask_rows, batch, vocab, vocab_start, logits.device)
+    constrained = (rows >= 0).nonzero().flatten()
+    if len(constrained) == 0:
+        return logits.clone()
+    # Only the constrained rows unpack their words (this is the CPU path's mask).
+    bits = torch.ones(32, dtype=torch.int32, device=logits.device) << torch.arange(
+        32, dtype=torch.int32, device=logits.device
+    )  # 1 << 31 is the sign bit
+    words = bitmask[rows[constrained].long()]  # [constrained, num_words]
+    # keep: [constrained, vocab], bit t % 32 of word t // 32 for token t = vocab_start + j
+    keep = ((words[:, :, None] & bits) != 0).flatten(1)[:, vocab_start : vocab_start + vocab]
+    if len(constrained) == batch:  # every row: no gather and scatter of rows
+        return logits.masked_fill(~keep, float("-inf"))
+    out = logits.clone()
+    out[constrained] = logits[constrained].masked_fill(~keep, float("-inf"))
+    return out
+
+
 # Columns per chunk of argmax_ref's two-level search.
 ARGMAX_CHUNK = 128
 
 
-def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
+def argmax_ref(
+    logits: torch.Tensor,
+    bitmask: torch.Tensor | None = None,
+    bitmask_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """logits [batch, vocab] -> logits.argmax(dim=-1): each row's first maximum (a NaN counts as
-    the maximum, as in argmax).
+    the maximum, as in argmax); with a bitmask, that of apply_bitmask_ref(logits, ...).
 
     On CPU, torch's argmax walks a row an element at a time (1.3 ms for 16 rows of 49,152 on 2
     threads); the first ARGMAX_CHUNK-column chunk holding the row's maximum (a vectorized amax
     per chunk) and the first maximum inside it give the same index in a fifth of that.
     """
+    if bitmask is not None:
+        logits = apply_bitmask_ref(logits, bitmask, bitmask_rows)
     batch, vocab = logits.shape
     if logits.device.type != "cpu" or vocab % ARGMAX_CHUNK or not logits.is_contiguous():
         return logits.argmax(dim=-1)
@@ -147,9 +208,13 @@ def sample_ref(
     min_p: bool = True,
     top_k: bool = True,
     frontier: tuple[int, int] | None = None,
+    bitmask: torch.Tensor | None = None,
+    bitmask_rows: torch.Tensor | None = None,
 ) -> FusedSample:
     """Torch reference of sample_fused (same arguments, same tokens and scores; plain, min_p
     and top_k, promises about the rows' filters, and frontier change nothing here)."""
+    if bitmask is not None:
+        logits = apply_bitmask_ref(logits, bitmask, bitmask_rows, vocab_start)
     raw = logits.float()
     greedy = raw.argmax(dim=1)
     scores = raw.gather(1, greedy[:, None])[:, 0]
@@ -185,10 +250,24 @@ if triton is not None:
     # two-pass settings, bound by the last pass's arithmetic, did not move.
 
     @triton.jit
-    def _load_block(row_ptr, start, vocab, BLOCK: tl.constexpr):
-        # The logits' own dtype (converting would wait for the load); -inf past the vocabulary.
+    def _bitmask_keep(bits_ptr, mask_cols, bit_start, idx):
+        # Whether the row's bitmask allows columns idx (token ids bit_start + idx: bit t % 32
+        # of word t // 32). Words are loaded for columns below mask_cols only: the row's
+        # vocab, or 0 for a row without a mask, which reads no words and keeps everything.
+        token = idx + bit_start
+        words = tl.load(bits_ptr + token // 32, mask=idx < mask_cols, other=-1)
+        return ((words >> (token % 32)) & 1) != 0
+
+    @triton.jit
+    def _load_block(row_ptr, bits_ptr, mask_cols, bit_start, start, vocab, BLOCK: tl.constexpr,
+                    BITMASK: tl.constexpr):
+        # The logits' own dtype (converting would wait for the load); -inf past the vocabulary
+        # and, with BITMASK, where the row's bitmask clears the token's bit.
         idx = start + tl.arange(0, BLOCK)
-        return tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf"))
+        x = tl.load(row_ptr + idx, mask=idx < vocab, other=float("-inf"))
+        if BITMASK:
+            x = tl.where(_bitmask_keep(bits_ptr, mask_cols, bit_start, idx), x, float("-inf"))
+        return x
 
     @triton.jit
     def _kth_step(count, above, below, k, lo, hi):
@@ -209,7 +288,8 @@ if triton is not None:
         return lo, hi
 
     @triton.jit
-    def _kth_largest(row_ptr, vocab, k, lo, hi, probe, BLOCK: tl.constexpr):
+    def _kth_largest(row_ptr, bits_ptr, mask_cols, bit_start, vocab, k, lo, hi, probe,
+                     BLOCK: tl.constexpr, BITMASK: tl.constexpr):
         # lo <= answer <= hi: each step moves one bound to an element inside (lo, hi], so the
         # loop ends on the k-th largest value itself. probe (int32, nonzero): lo is a close
         # guess (an element value with at least k values >= it); the first pass counts at lo
@@ -223,10 +303,11 @@ if triton is not None:
             counts = tl.zeros([BLOCK], tl.int32)
             aboves = tl.full([BLOCK], float("inf"), tl.float32)  # smallest x >= t
             belows = tl.full([BLOCK], float("-inf"), tl.float32)  # largest x < t
-            ahead = _load_block(row_ptr, 0, vocab, BLOCK)
+            ahead = _load_block(row_ptr, bits_ptr, mask_cols, bit_start, 0, vocab, BLOCK, BITMASK)
             for start in range(0, vocab, BLOCK):
                 x = ahead.to(tl.float32)
-                ahead = _load_block(row_ptr, start + BLOCK, vocab, BLOCK)
+                ahead = _load_block(row_ptr, bits_ptr, mask_cols, bit_start, start + BLOCK, vocab,
+                                    BLOCK, BITMASK)
                 ge = x >= t
                 counts += ge.to(tl.int32)
                 aboves = tl.minimum(aboves, tl.where(ge, x, float("inf")))
@@ -253,15 +334,16 @@ if triton is not None:
         return lo
 
     @triton.jit
-    def _kth_search(row_ptr, vocab, k, firsts, seconds, raw_min, raw_max,
-                    BLOCK: tl.constexpr):
+    def _kth_search(row_ptr, bits_ptr, mask_cols, bit_start, vocab, k, firsts, seconds, raw_min,
+                    raw_max, BLOCK: tl.constexpr, BITMASK: tl.constexpr):
         # The row's k-th largest, starting from the lanes' guess when they hold k values.
         held = tl.sum((firsts > float("-inf")).to(tl.int32))
         held += tl.sum((seconds > float("-inf")).to(tl.int32))
         lo = raw_min
         if held >= k:
             lo = _kth_guess(firsts, seconds, k, raw_min, raw_max)
-        return _kth_largest(row_ptr, vocab, k, lo, raw_max, (held >= k).to(tl.int32), BLOCK)
+        return _kth_largest(row_ptr, bits_ptr, mask_cols, bit_start, vocab, k, lo, raw_max,
+                            (held >= k).to(tl.int32), BLOCK, BITMASK)
 
     @triton.jit
     def _probe_points(lo, hi):
@@ -270,7 +352,8 @@ if triton is not None:
         return lo + step, lo + 2.0 * step, lo + 3.0 * step, lo + 4.0 * step
 
     @triton.jit
-    def _mass_probes(row_ptr, vocab, raw_max, scale, keep_from, lo, hi, BLOCK: tl.constexpr):
+    def _mass_probes(row_ptr, bits_ptr, mask_cols, bit_start, vocab, raw_max, scale, keep_from, lo,
+                     hi, BLOCK: tl.constexpr, BITMASK: tl.constexpr):
         # One pass: the mass of every kept x (>= keep_from) and of the kept x >= each of
         # _probe_points(lo, hi). Only sums: no tracking of the values next to a threshold.
         t1, t2, t3, t4 = _probe_points(lo, hi)
@@ -279,10 +362,11 @@ if triton is not None:
         m2 = tl.zeros([BLOCK], tl.float32)
         m3 = tl.zeros([BLOCK], tl.float32)
         m4 = tl.zeros([BLOCK], tl.float32)
-        ahead = _load_block(row_ptr, 0, vocab, BLOCK)
+        ahead = _load_block(row_ptr, bits_ptr, mask_cols, bit_start, 0, vocab, BLOCK, BITMASK)
         for start in range(0, vocab, BLOCK):
             x = ahead.to(tl.float32)
-            ahead = _load_block(row_ptr, start + BLOCK, vocab, BLOCK)
+            ahead = _load_block(row_ptr, bits_ptr, mask_cols, bit_start, start + BLOCK, vocab,
+                                BLOCK, BITMASK)
             e = tl.where(x >= keep_from, tl.exp2((x - raw_max) * scale), 0.0)
             totals += e
             m1 += tl.where(x >= t1, e, 0.0)
@@ -311,8 +395,8 @@ if triton is not None:
         return new_lo, new_hi, new_lo_mass, new_hi_mass
 
     @triton.jit
-    def _top_p_cut(row_ptr, vocab, raw_max, scale, keep_from, limit, lo, hi, lo_mass, hi_mass,
-                   BLOCK: tl.constexpr):
+    def _top_p_cut(row_ptr, bits_ptr, mask_cols, bit_start, vocab, raw_max, scale, keep_from, limit,
+                   lo, hi, lo_mass, hi_mass, BLOCK: tl.constexpr, BITMASK: tl.constexpr):
         # The smallest x (>= keep_from) whose strictly-greater mass is <= limit, given
         # lo <= answer <= hi and lo_mass > limit (the mass of x >= lo). Either bound may be a
         # threshold rather than a value of the row: lo one whose mass exceeds limit, hi one
@@ -336,10 +420,11 @@ if triton is not None:
             above_masses = tl.zeros([BLOCK], tl.float32)  # mass of the tokens at that x
             belows = tl.full([BLOCK], float("-inf"), tl.float32)  # largest kept x < t
             below_masses = tl.zeros([BLOCK], tl.float32)
-            ahead = _load_block(row_ptr, 0, vocab, BLOCK)
+            ahead = _load_block(row_ptr, bits_ptr, mask_cols, bit_start, 0, vocab, BLOCK, BITMASK)
             for start in range(0, vocab, BLOCK):
                 x = ahead.to(tl.float32)
-                ahead = _load_block(row_ptr, start + BLOCK, vocab, BLOCK)
+                ahead = _load_block(row_ptr, bits_ptr, mask_cols, bit_start, start + BLOCK, vocab,
+                                    BLOCK, BITMASK)
                 ge = x >= t
                 kept = x >= keep_from
                 e = tl.where(kept, tl.exp2((x - raw_max) * scale), 0.0)
@@ -373,13 +458,24 @@ if triton is not None:
     def _sample_row(
         row, logits_ptr, temps_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr, offsets_ptr,
         tokens_ptr, logprobs_ptr, top_vals_ptr, top_ids_ptr, lse_ptr, allowed_ptr, scores_ptr,
-        vocab, stride_row, vocab_start, num_logprobs, resolution,
-        TOP_N: tl.constexpr, LOGPROBS: tl.constexpr, WRITE_ALLOWED: tl.constexpr,
-        BLOCK: tl.constexpr, MAX_PROBES: tl.constexpr,
+        vocab, stride_row, vocab_start, num_logprobs, resolution, bitmask_ptr, bitmask_rows_ptr,
+        stride_bitmask, TOP_N: tl.constexpr, LOGPROBS: tl.constexpr,
+        WRITE_ALLOWED: tl.constexpr, BLOCK: tl.constexpr, MAX_PROBES: tl.constexpr,
+        BITMASK: tl.constexpr,
     ):
         # The interpreter's range yields python ints, the compiler's int32 tensors.
         row64 = tl.cast(row, tl.int64)
         row_ptr = logits_ptr + row64 * stride_row
+        # With BITMASK every load of the row (each pass) sets the tokens its bitmask row
+        # clears to -inf, so the filters, the draw, the greedy argmax and the logprobs all see
+        # the masked row; a row whose bitmask_rows entry is -1 loads no words.
+        bits_ptr = bitmask_ptr
+        mask_cols = tl.full((), 0, tl.int32)  # the columns whose bitmask words are loaded
+        bit_start = vocab_start
+        if BITMASK:
+            mask_row = tl.load(bitmask_rows_ptr + row)
+            mask_cols = tl.where(mask_row >= 0, vocab, 0)
+            bits_ptr = bitmask_ptr + tl.maximum(mask_row, 0).to(tl.int64) * stride_bitmask
         temp = tl.load(temps_ptr + row)
         is_sampled = temp != 0.0
         temp = tl.where(is_sampled, temp, 1.0)
@@ -391,10 +487,11 @@ if triton is not None:
         args = tl.zeros([BLOCK], tl.int32)
         mins = tl.full([BLOCK], float("inf"), tl.float32)
         finites = tl.zeros([BLOCK], tl.int32)
-        ahead = _load_block(row_ptr, 0, vocab, BLOCK)
+        ahead = _load_block(row_ptr, bits_ptr, mask_cols, bit_start, 0, vocab, BLOCK, BITMASK)
         for start in range(0, vocab, BLOCK):
             raw = ahead.to(tl.float32)
-            ahead = _load_block(row_ptr, start + BLOCK, vocab, BLOCK)
+            ahead = _load_block(row_ptr, bits_ptr, mask_cols, bit_start, start + BLOCK, vocab,
+                                BLOCK, BITMASK)
             idx = start + tl.arange(0, BLOCK)
             finite = raw > float("-inf")
             args = tl.where(raw > maxes, idx, args)
@@ -420,8 +517,8 @@ if triton is not None:
         if is_sampled:
             top_k = tl.load(top_ks_ptr + row)
             if (top_k > 0) & (top_k < num_finite):
-                k_raw = _kth_search(row_ptr, vocab, top_k, maxes, seconds, raw_min, raw_max,
-                                    BLOCK)
+                k_raw = _kth_search(row_ptr, bits_ptr, mask_cols, bit_start, vocab, top_k, maxes,
+                                    seconds, raw_min, raw_max, BLOCK, BITMASK)
                 k_cut = k_raw * inv_temp
             top_p = tl.load(top_ps_ptr + row)
             if top_p < 1.0:
@@ -430,8 +527,9 @@ if triton is not None:
                 # dtype (resolution: its relative spacing); the exact search ends it.
                 lo = tl.maximum(k_raw, raw_min)
                 hi = raw_max
-                total, m1, m2, m3, m4 = _mass_probes(row_ptr, vocab, raw_max, scale, k_raw,
-                                                     lo, hi, BLOCK)
+                total, m1, m2, m3, m4 = _mass_probes(row_ptr, bits_ptr, mask_cols, bit_start, vocab,
+                                                     raw_max, scale, k_raw, lo, hi, BLOCK,
+                                                     BITMASK)
                 limit = top_p * total
                 hi_mass = tl.full((), 1.0, tl.float32)  # the largest value's own, at least
                 lo, hi, lo_mass, hi_mass = _narrow(lo, hi, total, hi_mass, limit, m1, m2, m3,
@@ -441,13 +539,14 @@ if triton is not None:
                 probes = 1
                 while (probes < max_probes) & (
                         hi - lo > resolution * tl.maximum(tl.abs(lo), tl.abs(hi))):
-                    _, m1, m2, m3, m4 = _mass_probes(row_ptr, vocab, raw_max, scale, k_raw, lo,
-                                                     hi, BLOCK)
+                    _, m1, m2, m3, m4 = _mass_probes(row_ptr, bits_ptr, mask_cols, bit_start, vocab,
+                                                     raw_max, scale, k_raw, lo, hi, BLOCK,
+                                                     BITMASK)
                     lo, hi, lo_mass, hi_mass = _narrow(lo, hi, lo_mass, hi_mass, limit, m1, m2,
                                                        m3, m4)
                     probes += 1
-                p_raw = _top_p_cut(row_ptr, vocab, raw_max, scale, k_raw, limit, lo, hi,
-                                   lo_mass, hi_mass, BLOCK)
+                p_raw = _top_p_cut(row_ptr, bits_ptr, mask_cols, bit_start, vocab, raw_max, scale,
+                                   k_raw, limit, lo, hi, lo_mass, hi_mass, BLOCK, BITMASK)
                 p_cut = p_raw * inv_temp
             min_p = tl.load(min_ps_ptr + row)
             if min_p > 0.0:
@@ -455,8 +554,8 @@ if triton is not None:
         n_cut = tl.full((), float("-inf"), tl.float32)
         if TOP_N:
             if num_logprobs < num_finite:
-                n_cut = _kth_search(row_ptr, vocab, num_logprobs, maxes, seconds, raw_min,
-                                    raw_max, BLOCK)
+                n_cut = _kth_search(row_ptr, bits_ptr, mask_cols, bit_start, vocab, num_logprobs,
+                                    maxes, seconds, raw_min, raw_max, BLOCK, BITMASK)
 
         # Last pass: Gumbel-max over the allowed tokens, the raw softmax sum, top-n raw logits.
         seed = tl.load(seeds_ptr + row)
@@ -469,10 +568,11 @@ if triton is not None:
         sum_exps = tl.zeros([BLOCK], tl.float32)
         top_above = tl.full((), 0, tl.int32)
         top_tied = tl.full((), 0, tl.int32)
-        ahead = _load_block(row_ptr, 0, vocab, BLOCK)
+        ahead = _load_block(row_ptr, bits_ptr, mask_cols, bit_start, 0, vocab, BLOCK, BITMASK)
         for start in range(0, vocab, BLOCK):
             raw = ahead.to(tl.float32)
-            ahead = _load_block(row_ptr, start + BLOCK, vocab, BLOCK)
+            ahead = _load_block(row_ptr, bits_ptr, mask_cols, bit_start, start + BLOCK, vocab,
+                                BLOCK, BITMASK)
             idx = start + tl.arange(0, BLOCK)
             if LOGPROBS:
                 sum_exps += tl.exp(raw - raw_max)
@@ -529,13 +629,15 @@ if triton is not None:
     # variant (only TOP_N / LOGPROBS switch the top-n and softmax work on or off).
     @triton.jit(do_not_specialize=["temps_ptr", "top_ks_ptr", "top_ps_ptr", "min_ps_ptr",
                                    "seeds_ptr", "offsets_ptr", "batch", "vocab_start",
-                                   "num_logprobs"])
+                                   "num_logprobs", "bitmask_ptr", "bitmask_rows_ptr",
+                                   "stride_bitmask"])
     def _sample_kernel(
         logits_ptr, temps_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr, offsets_ptr,
         tokens_ptr, logprobs_ptr, top_vals_ptr, top_ids_ptr, lse_ptr, allowed_ptr, scores_ptr,
-        batch, vocab, stride_row, vocab_start, num_logprobs, resolution,
-        TOP_N: tl.constexpr, LOGPROBS: tl.constexpr, WRITE_ALLOWED: tl.constexpr,
-        BLOCK: tl.constexpr, MAX_PROBES: tl.constexpr,
+        batch, vocab, stride_row, vocab_start, num_logprobs, resolution, bitmask_ptr,
+        bitmask_rows_ptr, stride_bitmask, TOP_N: tl.constexpr, LOGPROBS: tl.constexpr,
+        WRITE_ALLOWED: tl.constexpr, BLOCK: tl.constexpr, MAX_PROBES: tl.constexpr,
+        BITMASK: tl.constexpr,
     ):
         # A program passes over its row many times. With one program per SM walking the rows,
         # the rows in flight (132 x 300 KB of bf16 at a 152k vocabulary) stay in L2, so only
@@ -545,7 +647,8 @@ if triton is not None:
                 row, logits_ptr, temps_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr,
                 offsets_ptr, tokens_ptr, logprobs_ptr, top_vals_ptr, top_ids_ptr, lse_ptr,
                 allowed_ptr, scores_ptr, vocab, stride_row, vocab_start, num_logprobs,
-                resolution, TOP_N, LOGPROBS, WRITE_ALLOWED, BLOCK, MAX_PROBES,
+                resolution, bitmask_ptr, bitmask_rows_ptr, stride_bitmask, TOP_N, LOGPROBS,
+                WRITE_ALLOWED, BLOCK, MAX_PROBES, BITMASK,
             )
 
 # Passes of mass probes at most before the top-p search's exact passes, and the relative spacing
@@ -573,6 +676,8 @@ def _launch(
     vocab_start: int = 0,
     programs_per_sm: int = 1,
     logprobs: bool = True,
+    bitmask: torch.Tensor | None = None,
+    bitmask_rows: torch.Tensor | None = None,
 ) -> FusedSample:
     assert triton is not None, "sample_fused needs triton; use sample_ref"
     assert logits.dim() == 2 and logits.stride(1) == 1, (logits.shape, logits.stride())
@@ -600,6 +705,8 @@ def _launch(
         block = min(4096, triton.next_power_of_2(vocab))
     if num_warps is None:
         num_warps = 16 if block >= 4096 else 4
+    if bitmask is not None:
+        bitmask_rows = check_bitmask(bitmask, bitmask_rows, batch, vocab, vocab_start, dev)
     if batch > 0:
         grid = (min(batch, programs_per_sm * num_sms(dev)),)
         _sample_kernel[grid](
@@ -607,10 +714,13 @@ def _launch(
             tokens, token_logprobs, top_vals, top_ids, lse,
             allowed if allowed is not None else tokens,
             scores, batch, vocab, logits.stride(0), vocab_start, num_logprobs,
-            _RESOLUTION[logits.dtype], TOP_N=num_logprobs > 0,
-            LOGPROBS=logprobs or num_logprobs > 0,
+            _RESOLUTION[logits.dtype],
+            bitmask if bitmask is not None else seeds,
+            bitmask_rows if bitmask is not None else seeds,
+            bitmask.stride(0) if bitmask is not None else 0,
+            TOP_N=num_logprobs > 0, LOGPROBS=logprobs or num_logprobs > 0,
             WRITE_ALLOWED=allowed is not None, BLOCK=block, MAX_PROBES=MAX_PROBES,
-            num_warps=num_warps,
+            BITMASK=bitmask is not None, num_warps=num_warps,
         )
     if num_logprobs == 0:
         return FusedSample(tokens, token_logprobs if logprobs else None, None, None, scores)
@@ -640,6 +750,8 @@ def sample_fused(
     min_p: bool = True,
     top_k: bool = True,
     frontier: tuple[int, int] = FRONTIER,
+    bitmask: torch.Tensor | None = None,
+    bitmask_rows: torch.Tensor | None = None,
 ) -> FusedSample:
     """Sample one token per row of logits [batch, vocab] (fp32/bf16/fp16, rows may be strided).
 
@@ -668,6 +780,14 @@ def sample_fused(
     draw in chunks too (sampler_chunks.draw_frontier): the full kernel's tokens, found from
     the masses above a few candidate tokens instead of a search for the cut (frontier: the
     candidates kept per chunk and per row; tests make them small to reach the fallback).
+
+    bitmask: the allowed tokens of constrained rows (structured outputs), int32 [num_masks,
+    ceil(vocab_size / 32)] on the logits' device, bit t % 32 of word t // 32 set = token id t
+    allowed; row i takes bitmask row bitmask_rows[i] (int32 [batch], -1: unconstrained, its
+    loads predicated off), or row i when bitmask_rows is None. A token it clears is -inf in
+    every pass over the row (apply_bitmask_ref): the filters, the draw, greedy and the
+    logprobs are the masked row's. None: the kernels are compiled without it. Rows with top-p
+    but no top-k take the full kernel when masked.
     """
     # The chunked draws (kernels/sampler_chunks.py) build on this module's full kernel.
     from nanopaged.kernels import sampler_chunks
@@ -675,15 +795,16 @@ def sample_fused(
     if plain:
         return sampler_chunks.draw_chunked(
             logits, temperatures, min_ps if min_p else None, seeds, offsets, vocab_start,
-            block or 2048, num_logprobs, logprobs,
+            block or 2048, num_logprobs, logprobs, bitmask, bitmask_rows,
         )  # fmt: skip
-    if not top_k and num_logprobs == 0:
+    if not top_k and num_logprobs == 0 and bitmask is None:
         return sampler_chunks.draw_frontier(
             logits, temperatures, top_ks, top_ps, min_ps, seeds, offsets, vocab_start, block,
             logprobs, frontier,
         )  # fmt: skip
     return _launch(logits, temperatures, top_ks, top_ps, min_ps, seeds, offsets, num_logprobs,
-                   None, block, num_warps, vocab_start, programs_per_sm, logprobs)
+                   None, block, num_warps, vocab_start, programs_per_sm, logprobs, bitmask,
+                   bitmask_rows)
 
 
 def allowed_mask_fused(
@@ -694,10 +815,14 @@ def allowed_mask_fused(
     min_ps: torch.Tensor,
     *,
     block: int | None = None,
+    bitmask: torch.Tensor | None = None,
+    bitmask_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The kernel's allowed set [batch, vocab] bool, for comparing with allowed_mask_ref."""
+    """The kernel's allowed set [batch, vocab] bool, for comparing with allowed_mask_ref (of
+    apply_bitmask_ref's logits when a bitmask is given)."""
     batch, vocab = logits.shape
     allowed = torch.zeros(batch, vocab, dtype=torch.int8, device=logits.device)
     zeros = torch.zeros(batch, dtype=torch.int64, device=logits.device)
-    _launch(logits, temperatures, top_ks, top_ps, min_ps, zeros, zeros, 0, allowed, block, None)
+    _launch(logits, temperatures, top_ks, top_ps, min_ps, zeros, zeros, 0, allowed, block, None,
+            bitmask=bitmask, bitmask_rows=bitmask_rows)
     return allowed.bool()

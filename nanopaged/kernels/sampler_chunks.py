@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from nanopaged.kernels.sampler import _RESOLUTION, MAX_PROBES, FusedSample
+from nanopaged.kernels.sampler import _RESOLUTION, MAX_PROBES, FusedSample, check_bitmask
 
 try:
     import triton
     import triton.language as tl
 
     from nanopaged.kernels.hash_rng import noisy_score, row_keys, scaled, uniform
-    from nanopaged.kernels.sampler import _sample_row
+    from nanopaged.kernels.sampler import _bitmask_keep, _sample_row
 except ImportError:  # CPU-only installs use sampler.sample_ref / argmax_ref
     triton = None
 
@@ -53,21 +53,38 @@ if triton is not None:
         return row64, idx, raw, row64 * tl.num_programs(1) + tl.program_id(1)
 
     @triton.jit
-    def _argmax_chunks_kernel(logits_ptr, vals_ptr, idx_ptr, vocab, stride_row,
-                              BLOCK: tl.constexpr):
+    def _mask_chunk(raw, idx, row64, bitmask_ptr, bitmask_rows_ptr, stride_bitmask, vocab,
+                    bit_start):
+        # raw with -inf where the row's bitmask clears the token (as sampler._load_block).
+        mask_row = tl.load(bitmask_rows_ptr + row64)
+        bits_ptr = bitmask_ptr + tl.maximum(mask_row, 0).to(tl.int64) * stride_bitmask
+        keep = _bitmask_keep(bits_ptr, tl.where(mask_row >= 0, vocab, 0), bit_start, idx)
+        return tl.where(keep, raw, float("-inf"))
+
+    @triton.jit
+    def _argmax_chunks_kernel(logits_ptr, vals_ptr, idx_ptr, vocab, stride_row, bitmask_ptr,
+                              bitmask_rows_ptr, stride_bitmask, BLOCK: tl.constexpr,
+                              BITMASK: tl.constexpr):
         # Program (row, chunk): the chunk's first maximum. Chunks of a row run side by side,
         # so one row (a batch-1 decode step) is spread over the SMs, not read by one.
-        _, idx, x, out = _load_chunk(logits_ptr, vocab, stride_row, BLOCK)
+        row64, idx, x, out = _load_chunk(logits_ptr, vocab, stride_row, BLOCK)
+        if BITMASK:
+            x = _mask_chunk(x, idx, row64, bitmask_ptr, bitmask_rows_ptr, stride_bitmask, vocab,
+                            0)
         first, best = _first_max(x, idx, 2147483647)
         tl.store(vals_ptr + out, best)
         tl.store(idx_ptr + out, first)
 
     @triton.jit
-    def _chunk_stats_kernel(logits_ptr, maxes_ptr, sums_ptr, vocab, stride_row,
-                            BLOCK: tl.constexpr, SUMS: tl.constexpr):
+    def _chunk_stats_kernel(logits_ptr, maxes_ptr, sums_ptr, vocab, stride_row, bitmask_ptr,
+                            bitmask_rows_ptr, stride_bitmask, vocab_start, BLOCK: tl.constexpr,
+                            SUMS: tl.constexpr, BITMASK: tl.constexpr):
         # Program (row, chunk): the chunk's largest raw logit; with SUMS the sum of exp(raw -
         # that maximum) (0 for a chunk all -inf).
-        _, _, raw, out = _load_chunk(logits_ptr, vocab, stride_row, BLOCK)
+        row64, idx, raw, out = _load_chunk(logits_ptr, vocab, stride_row, BLOCK)
+        if BITMASK:
+            raw = _mask_chunk(raw, idx, row64, bitmask_ptr, bitmask_rows_ptr, stride_bitmask,
+                              vocab, vocab_start)
         m = tl.max(raw)
         tl.store(maxes_ptr + out, m)
         if SUMS:
@@ -96,11 +113,14 @@ if triton is not None:
                 best = tl.max(vals)
 
     @triton.jit(do_not_specialize=["temps_ptr", "min_ps_ptr", "seeds_ptr", "offsets_ptr",
-                                   "vocab_start"])
+                                   "vocab_start", "bitmask_ptr", "bitmask_rows_ptr",
+                                   "stride_bitmask"])
     def _draw_chunks_kernel(logits_ptr, temps_ptr, min_ps_ptr, seeds_ptr, offsets_ptr,
                             maxes_ptr, vals_ptr, idx_ptr, top_vals_ptr, top_ids_ptr, vocab,
-                            stride_row, vocab_start, num_logprobs, BLOCK: tl.constexpr,
-                            MIN_P: tl.constexpr, BLOCK_C: tl.constexpr, TOP_N: tl.constexpr):
+                            stride_row, vocab_start, num_logprobs, bitmask_ptr,
+                            bitmask_rows_ptr, stride_bitmask, BLOCK: tl.constexpr,
+                            MIN_P: tl.constexpr, BLOCK_C: tl.constexpr, TOP_N: tl.constexpr,
+                            BITMASK: tl.constexpr):
         # Program (row, chunk) of a row with no top-k or top-p: the chunk's best score and its
         # first index, the score computed as _sample_row's last pass does (x + noise over the
         # allowed x, x = raw * (1 / temperature)), or a greedy row's raw maximum as
@@ -109,6 +129,9 @@ if triton is not None:
         # for the top logprobs too (_chunk_top_n). One pass, chunks side by side: no row waits
         # on one program's walk through its whole vocabulary.
         row64, idx, raw, out = _load_chunk(logits_ptr, vocab, stride_row, BLOCK)
+        if BITMASK:
+            raw = _mask_chunk(raw, idx, row64, bitmask_ptr, bitmask_rows_ptr, stride_bitmask,
+                              vocab, vocab_start)
         row = tl.program_id(0)
         if TOP_N:
             c = tl.arange(0, BLOCK_C)
@@ -383,14 +406,20 @@ if triton is not None:
                 row, logits_ptr, temps_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr,
                 offsets_ptr, tokens_ptr, logprobs_ptr, scores_ptr, tokens_ptr, lse_ptr,
                 tokens_ptr, scores_ptr, vocab, stride_row, vocab_start, 0, resolution,
-                False, LOGPROBS, False, BLOCK, MAX_PROBES,
+                tokens_ptr, tokens_ptr, 0, False, LOGPROBS, False, BLOCK, MAX_PROBES, False,
             )
 
 
-def argmax_fused(logits: torch.Tensor, block: int = 2048) -> torch.Tensor:
+def argmax_fused(
+    logits: torch.Tensor,
+    block: int = 2048,
+    bitmask: torch.Tensor | None = None,
+    bitmask_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """logits [batch, vocab] (fp32/bf16/fp16, rows may be strided) -> int64 [batch], equal to
     logits.argmax(dim=-1): each row's first maximum, a NaN counting as the maximum. Chunks of
-    `block` columns are reduced side by side, then each row's chunks (two launches)."""
+    `block` columns are reduced side by side, then each row's chunks (two launches). With a
+    bitmask (sampler.sample_fused's), the argmax of the masked row (argmax_ref's)."""
     assert triton is not None, "argmax_fused needs triton; use argmax_ref"
     assert logits.dim() == 2 and logits.stride(1) == 1, (logits.shape, logits.stride())
     batch, vocab = logits.shape
@@ -399,18 +428,31 @@ def argmax_fused(logits: torch.Tensor, block: int = 2048) -> torch.Tensor:
     tokens = torch.empty(batch, dtype=torch.int64, device=dev)
     if batch == 0:
         return tokens
+    if bitmask is not None:
+        bitmask_rows = check_bitmask(bitmask, bitmask_rows, batch, vocab, 0, dev)
     num_chunks = triton.cdiv(vocab, block)
     vals = torch.empty(batch, num_chunks, dtype=torch.float32, device=dev)
     idx = torch.empty(batch, num_chunks, dtype=torch.int32, device=dev)
     _argmax_chunks_kernel[(batch, num_chunks)](
-        logits, vals, idx, vocab, logits.stride(0), BLOCK=block, num_warps=4
-    )
+        logits, vals, idx, vocab, logits.stride(0), *_bitmask_args(bitmask, bitmask_rows, idx),
+        BLOCK=block, BITMASK=bitmask is not None, num_warps=4,
+    )  # fmt: skip
     _argmax_merge_kernel[(batch,)](
         vals, idx, tokens, tokens, vals, vals, logits, vals, vals, vals, idx, vals, tokens,
         num_chunks, logits.stride(0), 0, BLOCK_C=triton.next_power_of_2(num_chunks),
         SCORES=False, LOGPROBS=False, BLOCK_T=0, num_warps=1,
     )  # fmt: skip
     return tokens
+
+
+def _bitmask_args(
+    bitmask: torch.Tensor | None, bitmask_rows: torch.Tensor | None, dummy: torch.Tensor
+) -> tuple:
+    """The (bitmask, bitmask_rows, row stride) arguments of a chunk kernel; without a bitmask
+    any tensor stands in (the kernel is compiled without the loads)."""
+    if bitmask is None:
+        return dummy, dummy, 0
+    return bitmask, bitmask_rows, bitmask.stride(0)
 
 
 def draw_chunked(
@@ -423,6 +465,8 @@ def draw_chunked(
     block: int,
     num_logprobs: int,
     logprobs: bool,
+    bitmask: torch.Tensor | None = None,
+    bitmask_rows: torch.Tensor | None = None,
 ) -> FusedSample:
     """sample_fused for rows without top-k or top-p, in chunks of `block` columns side by side:
     _chunk_stats_kernel when min-p (min_ps not None) or logprobs need the rows' maxima or sums,
@@ -442,6 +486,9 @@ def draw_chunked(
         top_tok = torch.empty(batch, num_logprobs, dtype=torch.int64, device=dev)
     if batch == 0:
         return FusedSample(tokens, token_logprobs, top_lp, top_tok, scores)
+    if bitmask is not None:
+        bitmask_rows = check_bitmask(bitmask, bitmask_rows, batch, vocab, vocab_start, dev)
+    masking = _bitmask_args(bitmask, bitmask_rows, tokens)
     vals = torch.empty(batch, num_chunks, dtype=torch.float32, device=dev)
     idx = torch.empty(batch, num_chunks, dtype=torch.int32, device=dev)
     top_vals, top_ids = vals, idx
@@ -454,14 +501,14 @@ def draw_chunked(
         maxes = torch.empty(batch, num_chunks, dtype=torch.float32, device=dev)
         sums = torch.empty_like(maxes) if logprobs else maxes
         _chunk_stats_kernel[(batch, num_chunks)](
-            logits, maxes, sums, vocab, logits.stride(0), BLOCK=block, SUMS=logprobs,
-            num_warps=4,
+            logits, maxes, sums, vocab, logits.stride(0), *masking, vocab_start, BLOCK=block,
+            SUMS=logprobs, BITMASK=bitmask is not None, num_warps=4,
         )  # fmt: skip
     _draw_chunks_kernel[(batch, num_chunks)](
         logits, temperatures, temperatures if min_ps is None else min_ps, seeds, offsets, maxes,
         vals, idx, top_vals, top_ids, vocab, logits.stride(0), vocab_start, num_logprobs,
-        BLOCK=block, MIN_P=min_ps is not None, BLOCK_C=block_c, TOP_N=num_logprobs > 0,
-        num_warps=4,
+        *masking, BLOCK=block, MIN_P=min_ps is not None, BLOCK_C=block_c,
+        TOP_N=num_logprobs > 0, BITMASK=bitmask is not None, num_warps=4,
     )  # fmt: skip
     _argmax_merge_kernel[(batch,)](
         vals, idx, tokens, scores, maxes, sums, logits,

@@ -1,0 +1,53 @@
+"""StructuredBackend: what the sampler holds for structured outputs, one per engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+
+import torch
+
+from nanopaged.sampling_params import StructuredOutputsParams
+from nanopaged.structured.bitmask import BitmaskFiller, allocate_bitmask, bitmask_words
+from nanopaged.structured.grammar import CompiledGrammar, GrammarCompiler, validate
+from nanopaged.structured.matcher import GrammarMatcher
+from nanopaged.structured.tokenizer import structured_tokenizer
+
+
+class StructuredBackend:
+    """Grammars for one model's tokenizer: validate and compile specs (a thread pool, cached by
+    spec), and fill the packed bitmasks of many matchers at once (llguidance's threads)."""
+
+    def __init__(
+        self,
+        hf_tokenizer,
+        vocab_size: int,
+        eos_token_ids: Iterable[int],
+        compile_workers: int = 2,
+        fill_threads: int | None = None,
+    ) -> None:
+        self.tokenizer = structured_tokenizer(hf_tokenizer, vocab_size, eos_token_ids)
+        self.num_words = bitmask_words(self.tokenizer.vocab_size)
+        self.compiler = GrammarCompiler(self.tokenizer, self.num_words, compile_workers)
+        self.filler = BitmaskFiller(self.num_words, fill_threads)
+
+    @staticmethod
+    def validate(spec: StructuredOutputsParams) -> None:
+        """ValueError naming the field when spec is invalid (grammar.validate)."""
+        validate(spec)
+
+    def submit(self, spec: StructuredOutputsParams) -> Future[CompiledGrammar]:
+        """Start compiling spec (or find it cached); see GrammarCompiler.submit."""
+        return self.compiler.submit(spec)
+
+    def allocate_bitmask(self, rows: int, pin: bool = False) -> torch.Tensor:
+        """A host bitmask [rows, num_words] allowing every token."""
+        return allocate_bitmask(rows, self.num_words, pin)
+
+    def fill(self, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: torch.Tensor) -> None:
+        """Fill bitmask[row] for each (matcher, row), in parallel."""
+        self.filler.fill(rows, bitmask)
+
+    def close(self) -> None:
+        """Stop the compile threads."""
+        self.compiler.close()

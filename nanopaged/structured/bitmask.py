@@ -1,0 +1,48 @@
+"""Packed token bitmasks: one int32 word per 32 vocabulary ids, filled for many rows at once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from nanopaged.structured._llguidance import llguidance
+from nanopaged.structured.matcher import GrammarMatcher
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """Words of one bitmask row: ceil(vocab_size / 32)."""
+    return (vocab_size + 31) // 32
+
+
+def allocate_bitmask(rows: int, num_words: int, pin: bool = False) -> torch.Tensor:
+    """A host bitmask [rows, num_words] int32 allowing every token (all bits set); pin: in
+    page-locked memory, for copies to the device that overlap the step."""
+    return torch.full((rows, num_words), -1, dtype=torch.int32, pin_memory=pin)
+
+
+class BitmaskFiller:
+    """Fills the bitmask rows of many matchers in parallel on llguidance's own threads (no
+    GIL held), so the host computes a step's masks while the device runs."""
+
+    def __init__(self, num_words: int, num_threads: int | None = None) -> None:
+        self.num_words = num_words
+        self._executor = llguidance.LLExecutor(num_threads=num_threads)
+
+    def fill(self, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: torch.Tensor) -> None:
+        """Write each (matcher, row)'s allowed tokens into bitmask[row]; other rows are left
+        as they are. bitmask: CPU int32 [num_rows, num_words], contiguous."""
+        assert bitmask.device.type == "cpu" and bitmask.dtype == torch.int32, bitmask.dtype
+        assert bitmask.dim() == 2 and bitmask.shape[1] == self.num_words, bitmask.shape
+        assert bitmask.is_contiguous()
+        if not rows:
+            return
+        num_rows = bitmask.shape[0]
+        pairs = []
+        for matcher, row in rows:
+            assert 0 <= row < num_rows and matcher.num_words == self.num_words, row
+            pairs.append((matcher._matcher, row))
+        assert len({row for _, row in rows}) == len(rows), "two matchers on one row"
+        self._executor.unsafe_compute_mask_ptr(
+            pairs, bitmask.data_ptr(), 4 * self.num_words, num_rows
+        )
