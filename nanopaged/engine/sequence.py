@@ -38,6 +38,10 @@ class Sequence:
         self.sampling_params = sampling_params
         # What its rows need from the sampler, decided once (a beam's: SequenceGroup).
         self.row = classify(sampling_params)
+        # Structured outputs: its place in its grammar (structured.GrammarMatcher) once the
+        # grammar compiled, and how many output tokens the matcher has taken.
+        self.matcher = None
+        self.num_matched = 0
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         # Tokens whose KV is in the cache (computed now or found in the prefix cache).
@@ -87,6 +91,7 @@ class Sequence:
         child.logprobs = list(self.logprobs)  # references: the rows themselves are shared
         child.prompt_logprobs = list(self.prompt_logprobs)
         child.detokenizer = None
+        child.matcher = None if self.matcher is None else self.matcher.copy()
         return child
 
     def __len__(self) -> int:

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from nanopaged.kernels.sampler import apply_bitmask_ref
 from nanopaged.logits_processors import apply_logit_controls
-from nanopaged.sampling.ops import sample, sampling_tensors
+from nanopaged.sampling.ops import TokenMask, sample, sampling_tensors
 from nanopaged.sampling.output import SampleOutput
 from nanopaged.sampling.penalties import PenaltyCounts, mask_early_stops, penalize
 from nanopaged.sampling.rows import row_stream
@@ -29,16 +30,19 @@ def sample_sequences(
     eos_token_ids: set[int],
     pending: torch.Tensor | None = None,
     penalty_counts: PenaltyCounts | None = None,
+    mask: TokenMask | None = None,
 ) -> list[SampleOutput]:
     """One SampleOutput per sequence (one logits row each, logits: [len(seqs), vocab] fp32).
     pending, penalty_counts: the previous step's sampled tokens on the device and the
-    Sampler's counts, for penalize.
+    Sampler's counts, for penalize; mask: the rows' grammar masks (structured outputs).
 
     A beam gets its 2 * beam_width most likely tokens under the raw distribution. A parent that
     forks into n samples draws n tokens from its row, sample j from its own random stream.
     Logprobs are those of the raw model distribution (before penalties and temperature).
     An output's `finite` says whether finite logits decided its tokens.
     """
+    if mask is not None:  # logprobs are then those of the masked distribution
+        logits = apply_bitmask_ref(logits, mask.words, mask.rows)
     want = [_is_beam(s) or s.row.logprobs is not None for s in seqs]
     # raw: [len(seqs), vocab] log-probabilities of the model's own distribution
     raw = logits.log_softmax(dim=-1) if any(want) else None

@@ -39,10 +39,20 @@ class SamplingTensors:
     any_top_k: bool = True
 
 
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+@dataclass
+class TokenMask:
+    """Structured outputs' allowed tokens for some rows of a step, on the logits' device."""
+
+    words: torch.Tensor  # [num_masks, ceil(vocab / 32)] int32: bit t % 32 of word t // 32 = t
+    rows: torch.Tensor  # [batch] int32: each row's mask in words, -1 for none
+
+
+def greedy_tokens(logits: torch.Tensor, mask: TokenMask | None = None) -> torch.Tensor:
     """logits [batch, vocab] -> logits.argmax(dim=-1) on the logits' device: each row's first
-    maximum (a NaN counts as the maximum, as in argmax)."""
-    return backend_for(logits.device).argmax(logits)
+    maximum (a NaN counts as the maximum, as in argmax), among its allowed tokens (mask)."""
+    if mask is None:
+        return backend_for(logits.device).argmax(logits)
+    return backend_for(logits.device).argmax(logits, bitmask=mask.words, bitmask_rows=mask.rows)
 
 
 # The sampler's paths, as sample() picks them from a step's flags: argmax; chunked draws
@@ -74,18 +84,24 @@ def with_path(st: SamplingTensors, path: str) -> SamplingTensors:
 
 
 def sample(
-    logits: torch.Tensor, st: SamplingTensors, num_logprobs: int = 0, need_logprobs: bool = False
+    logits: torch.Tensor,
+    st: SamplingTensors,
+    num_logprobs: int = 0,
+    need_logprobs: bool = False,
+    mask: TokenMask | None = None,
 ) -> FusedSample:
     """logits: [batch, vocab] -> tokens [batch] int64 and their raw logprobs (before
     temperature and filters: computed when need_logprobs or num_logprobs > 0), with the top
-    num_logprobs of each row when asked for."""
+    num_logprobs of each row when asked for. mask: rows' allowed tokens (structured outputs);
+    a masked row's logprobs are those of its masked distribution."""
     if st.all_greedy and num_logprobs == 0 and not need_logprobs:
-        tokens = greedy_tokens(logits)
+        tokens = greedy_tokens(logits, mask)
         return FusedSample(tokens, None, None, None)
     args = (logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, st.seeds, st.offsets)
+    masks = {} if mask is None else dict(bitmask=mask.words, bitmask_rows=mask.rows)
     return backend_for(logits.device).sample(
         *args, num_logprobs, logprobs=need_logprobs, plain=st.all_plain, min_p=st.any_min_p,
-        top_k=st.any_top_k,
+        top_k=st.any_top_k, **masks,
     )
 
 

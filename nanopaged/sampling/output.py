@@ -170,6 +170,9 @@ class StepHandle:
         self._finite: torch.Tensor | None = None
         self._logprob_widths: list[int | None] | None = None
         self._logprobs: StepLogprobs | None = None
+        # Whether the next step may be launched before these samples reach the host (set by
+        # the Sampler from the step's rows: StepRows.run_ahead).
+        self.run_ahead = False
 
     @classmethod
     def copy_to_host(

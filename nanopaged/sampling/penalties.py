@@ -192,7 +192,9 @@ def mask_early_stops(logits: torch.Tensor, seqs: list[Sequence], eos: set[int]) 
     cols: list[int] = []
     for i, seq in enumerate(seqs):
         p = seq.sampling_params
-        if seq.num_output_tokens < seq.row.min_tokens:
+        # A grammar that can take nothing more allows EOS alone: min_tokens yields to it.
+        done = seq.matcher is not None and seq.matcher.is_terminated()
+        if seq.num_output_tokens < seq.row.min_tokens and not done:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
             rows += [i] * len(banned)
             cols += banned

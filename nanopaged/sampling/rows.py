@@ -36,6 +36,9 @@ class RowClass:
     host: bool
     # Stop tokens (and EOS) are masked until this many tokens are out.
     min_tokens: int
+    # Structured outputs: a grammar's token mask each step, filled on the host from the
+    # sequence's matcher after its previous token is known (so its steps never run ahead).
+    constrained: bool = False
 
 
 def classify(params: SamplingParams, beam: bool = False) -> RowClass:
@@ -49,6 +52,7 @@ def classify(params: SamplingParams, beam: bool = False) -> RowClass:
         penalties=params.has_penalties,
         host=beam or params.penalties_need_outputs or params.has_logit_controls,
         min_tokens=params.min_tokens,
+        constrained=params.structured_outputs is not None,
     )
 
 
@@ -78,27 +82,34 @@ class StepRows:
     # graph_safe and every row greedy or by temperature alone: tensor-parallel ranks may
     # sample their own vocabulary shards (sampling/sharded.py).
     shardable: bool
+    # The next step may be planned and launched before this one's samples reach the host:
+    # they stay on the device (no host path) and no row's next mask needs them (no grammar).
+    run_ahead: bool
+    constrained: bool  # some row has a grammar's mask
     penalties: bool
     early: bool  # some row has its stop tokens masked (min_tokens)
     logprob_widths: list[int | None]
 
     @classmethod
     def of(cls, seqs: list[Sequence]) -> StepRows:
-        host = penalties = early = filtered = False
+        host = penalties = early = filtered = constrained = False
         widths = []
         for seq in seqs:
             row = seq.row
             host = host or on_host(seq)
+            constrained = constrained or row.constrained
             penalties = penalties or row.penalties
             early = early or is_early(seq)
             filtered = filtered or row.top_k or row.top_p or row.min_p
             widths.append(row.logprobs)
         logprobs = any(w is not None for w in widths)
-        graph_safe = bool(seqs) and not (host or penalties or early or logprobs)
+        graph_safe = bool(seqs) and not (host or penalties or early or logprobs or constrained)
         return cls(
             host=host,
             graph_safe=graph_safe,
             shardable=graph_safe and not filtered,
+            run_ahead=not (host or constrained),
+            constrained=constrained,
             penalties=penalties,
             early=early,
             logprob_widths=widths,

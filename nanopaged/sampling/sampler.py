@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanopaged.platform import pinned
+from nanopaged.platform import pinned, platform_of
 from nanopaged.sampling.host import sample_sequences
 from nanopaged.sampling.ops import (
     SAMPLER_PATHS,
     SamplingTensors,
     SlotSettings,
+    TokenMask,
     sample,
     sampling_tensors,
     with_path,
@@ -28,6 +29,7 @@ from nanopaged.sampling.rows import StepRows, row_stream
 
 if TYPE_CHECKING:
     from nanopaged.engine.sequence import Sequence
+    from nanopaged.structured import StructuredBackend
 
 
 class Sampler:
@@ -41,6 +43,10 @@ class Sampler:
         # (the sequences' ids and whether in slots, their settings, their offsets) of the last
         # step that sampled on the device: the next step with the same sequences reuses them.
         self._cache: tuple[tuple, SamplingTensors, list[int]] | None = None
+        # Structured outputs: the grammars' backend (set by the engine when the first
+        # constrained request joins) and the host buffer their masks are filled into.
+        self.structured: StructuredBackend | None = None
+        self._host_masks: torch.Tensor | None = None
 
     @staticmethod
     def rows(seqs: list[Sequence]) -> StepRows:
@@ -93,7 +99,28 @@ class Sampler:
         else:
             handle = self._sample_logits(logits, seqs, rows, pending, eos_token_ids)
         handle.seqs = seqs
+        handle.run_ahead = handle.plain and rows.run_ahead
         return handle
+
+    def token_mask(self, seqs: list[Sequence]) -> TokenMask | None:
+        """The allowed tokens of the rows whose sequence has a grammar, filled on the host now
+        (while the device runs the step's forward pass) and copied to the device; None when
+        no row has one."""
+        matched = [(s.matcher, i) for i, s in enumerate(seqs) if s.matcher is not None]
+        if not matched:
+            return None
+        host = self._host_masks
+        if host is None or host.shape[0] < len(matched):
+            gpu = platform_of(self.device).gpu
+            host = self._host_masks = self.structured.allocate_bitmask(len(seqs), pin=gpu)
+        self.structured.fill([(m, k) for k, (m, _) in enumerate(matched)], host)
+        rows = [-1] * len(seqs)
+        for k, (_, i) in enumerate(matched):
+            rows[i] = k
+        # A steps with masks runs synchronously: the buffer's previous copy is done.
+        words = host[: len(matched)].to(self.device, non_blocking=True)
+        index = pinned(torch.tensor(rows, dtype=torch.int32)).to(self.device, non_blocking=True)
+        return TokenMask(words, index)
 
     def _sample_logits(
         self,
@@ -108,8 +135,9 @@ class Sampler:
             if self.penalty_counts is None:
                 self.penalty_counts = PenaltyCounts(logits.shape[-1], logits.device)
             counts = self.penalty_counts
+        mask = self.token_mask(seqs) if rows.constrained else None
         if rows.host:
-            outputs = sample_sequences(logits.float(), seqs, eos_token_ids, pending, counts)
+            outputs = sample_sequences(logits.float(), seqs, eos_token_ids, pending, counts, mask)
             return StepHandle.of_outputs(outputs)
         if counts is not None:
             # Penalized rows stay plain (asynchronous): their counts take a pending token
@@ -119,12 +147,12 @@ class Sampler:
             mask_early_stops(logits, seqs, eos_token_ids)
         widths = rows.logprob_widths
         if all(w is None for w in widths):
-            tokens = sample(logits, self.settings(seqs)).token_ids
+            tokens = sample(logits, self.settings(seqs), mask=mask).token_ids
             picked = logits.gather(1, tokens[:, None])[:, 0]
             return StepHandle.copy_to_host(tokens, sampled_logits=picked)
         # Raw logprobs in the same pass; no row here is masked (see rows.on_host).
         k = min(max(w or 0 for w in widths), logits.shape[-1])
-        out = sample(logits, self.settings(seqs), k, need_logprobs=True)
+        out = sample(logits, self.settings(seqs), k, need_logprobs=True, mask=mask)
         picked = logits.gather(1, out.token_ids[:, None])
         ranks = (logits > picked).sum(dim=-1) + 1  # 1-based rank of the sampled token
         top_v = out.top_logprobs if k else out.logprobs[:, None][:, :0]
