@@ -155,7 +155,7 @@ class ModelConfig:
         if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
             raise ValueError(
                 f"{dtype_key} in {path} must be one of {', '.join(_CHECKPOINT_DTYPES)}, got "
-                f"{dtype_name!r} (quantized formats are not supported yet)"
+                f"{dtype_name!r} (a quantized checkpoint names its format in quantization_config)"
             )
         return cls(
             architecture=arch,
