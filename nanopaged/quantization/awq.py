@@ -95,11 +95,11 @@ class AwqLinearMethod(LinearMethod):
     def dequantize(self, layer, dtype):
         return w4a16_gemm.dequantize_int4(self._weight(layer), dtype).t().contiguous()
 
-    def prepare_gpu(self, layer) -> bool:
-        if w4a16_gemm.triton is None:
-            return False
+    def kernel_available(self, layer) -> bool:
+        return w4a16_gemm.triton is not None
+
+    def prepare_kernels(self, layer) -> None:
         layer.int4 = self._weight(layer)
-        return True
 
     def apply(self, layer, x):
         x = x.reshape(-1, x.shape[-1])

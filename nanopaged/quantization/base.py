@@ -61,9 +61,13 @@ class LinearMethod:
         """The layer's weight as floats [out, in] of dtype."""
         raise NotImplementedError
 
-    def prepare_gpu(self, layer: nn.Module) -> bool:
-        """After loading, on a GPU: get the tensors ready for apply; False when this GPU (or
-        this torch) has no kernel for the format, and the layer is dequantized instead."""
+    def kernel_available(self, layer: nn.Module) -> bool:
+        """Whether this GPU (and torch, Triton) can run the format's kernel on the layer's
+        shapes; if not the layer is dequantized instead."""
+        raise NotImplementedError
+
+    def prepare_kernels(self, layer: nn.Module) -> None:
+        """After loading: the tensors as apply hands them to the kernels."""
         raise NotImplementedError
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -71,10 +75,11 @@ class LinearMethod:
         raise NotImplementedError
 
     def process_weights_after_loading(self, layer: nn.Module, gpu: bool) -> None:
-        """On a GPU the kernels' layout (prepare_gpu); on a CPU (or a GPU without a kernel for
+        """On a GPU the kernels' layout (prepare_kernels); on a CPU (or a GPU without a kernel for
         the format) the weight dequantized into a plain float `weight`, in the dtype the
         layer was built in: the layer is then an unquantized one."""
-        if gpu and self.prepare_gpu(layer):
+        if gpu and self.kernel_available(layer):
+            self.prepare_kernels(layer)
             return
         weight = self.dequantize(layer, layer.params_dtype)
         for name in self.param_names:

@@ -178,15 +178,15 @@ class Fp8LinearMethod(LinearMethod):
         scale = getattr(layer, self.config.scale_name)
         return fp8_gemm.dequantize_fp8(layer.weight, scale, self._block(layer), dtype)
 
-    def prepare_gpu(self, layer) -> bool:
-        if fp8_gemm.triton is None or torch.cuda.get_device_capability(layer.weight.device) < (
-            8, 9
-        ):  # fmt: skip
-            return False  # no FP8 tensor cores: dequantized
-        n, k = layer.weight.shape
+    def kernel_available(self, layer) -> bool:
+        device = layer.weight.device
+        if fp8_gemm.triton is None or torch.cuda.get_device_capability(device) < (8, 9):
+            return False  # no FP8 tensor cores
         block_k = self._block(layer)[1]
-        if k % block_k or block_k % 16:
-            return False  # activation groups must tile K
+        return layer.weight.shape[1] % block_k == 0 and block_k % 16 == 0  # groups tile K
+
+    def prepare_kernels(self, layer) -> None:
+        n, k = layer.weight.shape
         scale = getattr(layer, self.config.scale_name)
         # torch._scaled_mm takes the per-channel scales as a [1, N] row
         layer.scale_row = scale.view(1, n) if self.config.strategy != "block" else None
@@ -194,7 +194,6 @@ class Fp8LinearMethod(LinearMethod):
             self.config.strategy != "block" and hasattr(torch, "_scaled_mm")
             and n % 16 == 0 and k % 16 == 0
         )  # fmt: skip
-        return True
 
     def apply(self, layer, x):
         x = x.reshape(-1, x.shape[-1])
