@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import zlib
@@ -15,7 +16,9 @@ from torch import nn
 
 from nanopaged.layers.linear import Linear, default_weight_loader
 from nanopaged.platform import platform_of
-from nanopaged.quantization import QuantConfig
+from nanopaged.quantization import QuantConfig, weight_bytes
+
+logger = logging.getLogger(__name__)
 
 # Checkpoint entries that carry nothing we use: precomputed rotary tables of old exports, and
 # the query / softmax-probability scales of checkpoints made for 8-bit attention arithmetic
@@ -268,3 +271,9 @@ def _finish_quantized(model: nn.Module) -> None:
     gpu = platform_of(next(model.parameters()).device).gpu
     for layer in layers:
         layer.quant_method.process_weights_after_loading(layer, gpu)
+    kept = sum(layer.quant_method is not None for layer in layers)
+    logger.info(
+        "%s checkpoint: %d of %d quantized layers run quantized (the rest dequantized); "
+        "weights hold %.2f GiB", model.config.quantization.name, kept, len(layers),
+        weight_bytes(model) / 2**30,
+    )  # fmt: skip

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanopaged.kernels.paged_decode import num_sms
+
 try:
     import triton
     import triton.language as tl
@@ -171,9 +173,7 @@ def w8a8_block_gemm(
     n = weight.shape[0]
     bn, bk = block
     if config is None:
-        sms = torch.cuda.get_device_properties(xq.device).multi_processor_count \
-            if xq.is_cuda else 8  # fmt: skip
-        config = default_config(m, n, k, bk, sms)
+        config = default_config(m, n, k, bk, num_sms(xq.device))
     assert xq.dtype == weight.dtype == FP8 and weight.shape[1] == k, (xq.shape, weight.shape)
     assert xq.stride(1) == 1 and weight.stride(1) == 1 and w_scale.stride(1) == 1
     assert x_scale.shape == (m, -(-k // bk)) and x_scale.stride(1) == 1, (x_scale.shape, k, bk)

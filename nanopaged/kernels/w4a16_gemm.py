@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanopaged.kernels.paged_decode import dot_precision, num_sms
+
 try:
     import triton
     import triton.language as tl
@@ -148,6 +150,7 @@ if triton is not None:
         stride_xm, stride_qw, stride_s, stride_z, stride_os, stride_om,
         AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
     ):  # fmt: skip
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -203,7 +206,7 @@ if triton is not None:
                 else:
                     zero = 8
             w = ((q - zero).to(tl.float32) * scale).to(x.dtype)
-            acc += tl.dot(x, w)
+            acc += tl.dot(x, w, input_precision=DOT_PRECISION)
         out = out_ptr + split * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -232,8 +235,7 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, config: W4A16Config | None = None
     m = x.shape[0]
     k, n = w.in_features, w.out_features
     if config is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
-        config = default_config(m, n, k, w.group_size, sms)
+        config = default_config(m, n, k, w.group_size, num_sms(x.device))
     _check(x, w, config)
     k_per_split = -(-k // (config.split_k * config.block_k)) * config.block_k
     splits = -(-k // k_per_split)
@@ -253,6 +255,7 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, config: W4A16Config | None = None
         out.stride(0), out.stride(1),
         AWQ=w.layout == "awq", HAS_ZEROS=w.qzeros is not None, HAS_G_IDX=w.g_idx is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        DOT_PRECISION=dot_precision(x.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out[0] if splits == 1 else out.sum(0).to(x.dtype)
