@@ -215,3 +215,64 @@ def write_quantized(src: Path, quant_dir: Path, deq_dir: Path, fmt: tuple) -> No
     cfg = json.loads((quant_dir / "config.json").read_text())
     cfg["quantization_config"] = config
     (quant_dir / "config.json").write_text(json.dumps(cfg))
+
+
+def write_with_compressed_tensors(
+    src: Path, quant_dir: Path, deq_dir: Path, strategy: str, block: tuple[int, int] = (32, 32)
+) -> None:
+    """src's model as the compressed-tensors library writes an FP8 checkpoint (scales set by
+    the min-max rule: largest |w| of each channel, tensor or tile onto 448), and in deq_dir
+    the float model that checkpoint stands for."""
+    import transformers
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+    )
+    from safetensors.torch import load_file, save_file
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(src)
+    weights = dict(num_bits=8, type="float", strategy=strategy, symmetric=True, dynamic=False)
+    if strategy == "block":
+        weights["block_structure"] = list(block)
+    activations = dict(num_bits=8, type="float", strategy="token", symmetric=True, dynamic=True)
+    config = QuantizationConfig.model_validate(dict(
+        config_groups=dict(group_0=dict(targets=["Linear"], weights=weights,
+                                        input_activations=activations)),
+        ignore=["lm_head"], format="float-quantized",
+    ))  # fmt: skip
+    apply_quantization_config(model, config)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "weight_scale"):
+                module.weight_scale.copy_(_minmax_scale(module.weight, strategy, block))
+                module.quantization_status = QuantizationStatus.FROZEN
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="float-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(quant_dir)
+    compressor.update_config(quant_dir)
+    # the reference: every e4m3 weight times its scale, in float
+    tensors = load_file(quant_dir / "model.safetensors")
+    float_weights = load_file(src / "model.safetensors")
+    for name, scale in tensors.items():
+        if name.endswith(".weight_scale"):
+            weight = name.removesuffix("_scale")
+            n, k = tensors[weight].shape
+            tile = block if strategy == "block" else (n // scale.shape[0], k // scale.shape[-1])
+            full = scale.float().reshape(-1, scale.shape[-1] if scale.dim() > 1 else 1)
+            full = full.repeat_interleave(tile[0], 0).repeat_interleave(tile[1], 1)
+            float_weights[weight] = tensors[weight].float() * full[:n, :k]
+    shutil.copytree(src, deq_dir)
+    save_file(float_weights, deq_dir / "model.safetensors", metadata={"format": "pt"})
+
+
+def _minmax_scale(w: torch.Tensor, strategy: str, block: tuple[int, int]) -> torch.Tensor:
+    w = w.float().abs()
+    if strategy == "channel":
+        return w.amax(1, keepdim=True) / FP8_MAX
+    if strategy == "tensor":
+        return w.amax().reshape(1) / FP8_MAX
+    n, k = w.shape
+    tiles = w.view(n // block[0], block[0], k // block[1], block[1])
+    return tiles.amax((1, 3)) / FP8_MAX

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from quant_formats import formats, quantize_gptq, write_quantized
+from quant_formats import formats, quantize_gptq, write_quantized, write_with_compressed_tensors
 from safetensors.torch import load_file, save_file
 from tiny_models import hf_greedy, make_tiny_model
 
@@ -52,6 +52,15 @@ def test_greedy_matches_hf_on_dequantized_weights(family, fmt, tmp_path):
     # quantization= names the checkpoint's format, as vLLM spells it
     method = FORMATS[fmt][0]["quant_method"]
     assert _greedy(tmp_path / "q", prompts[:1], quantization=method) == expected[:1]
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor", "block"])
+def test_compressed_tensors_library_checkpoint(strategy, tmp_path):
+    """An FP8 checkpoint as the compressed-tensors library itself writes it."""
+    src = make_tiny_model(tmp_path / "src", "qwen3")
+    write_with_compressed_tensors(src, tmp_path / "q", tmp_path / "deq", strategy)
+    prompts = _prompts(4)
+    assert _greedy(tmp_path / "q", prompts) == hf_greedy(tmp_path / "deq", prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("fmt", ["fp8-block", "awq", "gptq-asym-desc_act"])

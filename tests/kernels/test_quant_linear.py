@@ -12,7 +12,7 @@ from quant_formats import formats
 
 from nanopaged.distributed.parallel import TensorParallel
 from nanopaged.layers.linear import QKVParallelLinear, RowParallelLinear
-from nanopaged.quantization import linear_method, parse_quantization_config
+from nanopaged.quantization import linear_method, parse_quantization_config, weight_bytes
 
 FORMATS = formats(group=32, block=(32, 32))
 HIDDEN, HEAD_DIM, HEADS, KV_HEADS = 128, 32, 4, 2
@@ -83,6 +83,9 @@ def test_qkv_shards(fmt, rank, kernels):
     expected = F.linear(x, torch.cat(local))
     got = run(layer, x, kernels)
     assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-5
+    # kept quantized: under a third of the fp32 weight's bytes (4-bit: about an eighth)
+    float_bytes = 4 * expected.shape[1] * HIDDEN
+    assert (weight_bytes(layer) * 3 < float_bytes) == kernels
 
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq-asym-desc_act", "fp8-block", "ct-fp8-tensor"])
@@ -93,7 +96,7 @@ def test_row_shards_sum_to_the_whole(fmt, kernels):
     partial = []
     for rank in range(2):
         tp = TensorParallel(rank=rank, size=2)
-        layer = build(fmt, lambda m: RowParallelLinear(256, HIDDEN, False, tp, False, m),
+        layer = build(fmt, lambda m, tp=tp: RowParallelLinear(256, HIDDEN, False, tp, False, m),
                       ["down_proj"])  # fmt: skip
         load(layer, checkpoint, {"down_proj": None})
         partial.append(run(layer, x.chunk(2, dim=1)[rank].contiguous(), kernels))
