@@ -449,14 +449,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.latency:
         import latency_bench
 
-        passed = (["--json", args.json] if args.json else []) + (
-            ["--model", args.model] if args.model else []
-        )
-        if args.model_shape:
-            passed += ["--model-shape", args.model_shape]
-        if args.quantization:
-            passed += ["--quantization", *args.quantization]
-        return latency_bench.main(rest + passed + (["--enforce-eager"] * args.enforce_eager))
+        return latency_bench.main(rest + _latency_args(args))
     if args.memory:
         import memory_bench
 
@@ -524,6 +517,15 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result
+
+
+def _latency_args(args) -> list[str]:
+    """The options of this command line that benchmarks/latency_bench.py takes too."""
+    passed = ["--json", args.json] if args.json else []
+    passed += ["--model", args.model] if args.model else []
+    passed += ["--model-shape", args.model_shape] if args.model_shape else []
+    passed += ["--quantization", *args.quantization] if args.quantization else []
+    return passed + ["--enforce-eager"] * args.enforce_eager
 
 
 def run_quantized(args, prompts, max_tokens, bf16: dict) -> dict:
