@@ -26,19 +26,12 @@ class Axis:
 
 
 def new_param(
-    shape: tuple[int, ...],
-    dtype: torch.dtype,
-    out: Axis | None,
-    inp: Axis | None,
-    required: bool = True,
+    shape: tuple[int, ...], dtype: torch.dtype, out: Axis | None, inp: Axis | None
 ) -> nn.Parameter:
     """An empty parameter whose out/in features lie along `out` / `inp` (None: the
-    parameter is whole on every rank along that axis); required=False: a checkpoint may lack
-    it (the loader does not ask for it)."""
+    parameter is whole on every rank along that axis)."""
     param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     param.out_axis, param.in_axis = out, inp
-    if not required:
-        param.required = False
     return param
 
 
@@ -102,6 +95,7 @@ class QuantConfig:
     skipped_suffixes: tuple[str, ...]
 
     def is_ignored(self, module: str) -> bool:
+        """Whether the checkpoint leaves this module (e.g. model.layers.0.mlp.down_proj) float."""
         for pattern in self.ignore:
             if pattern.startswith("re:"):
                 if re.match(pattern[3:], module):

@@ -255,3 +255,17 @@ def test_packed_parts_must_agree(tmp_path):
     with pytest.raises(ValueError, match=r"quantizes model.layers.0.self_attn.q_proj, "
                                          r".*v_proj but not .*k_proj"):
         LLM(str(path), kv_cache_memory=KV)  # fmt: skip
+
+
+def test_nan_in_fp8_weight_is_refused(tmp_path):
+    src = make_tiny_model(tmp_path / "src", "llama")
+    write_quantized(src, tmp_path / "q", tmp_path / "deq", FORMATS["fp8-block"])
+    name = "model.layers.1.mlp.up_proj.weight"
+
+    def nan(t):
+        t[name] = t[name].clone()
+        t[name].view(torch.uint8)[3, 5] = 0x7F  # e4m3fn's NaN
+
+    path = _edit_tensors(tmp_path / "q", tmp_path / "nan", nan)
+    with pytest.raises(ValueError, match=rf"weight '{name}' .* holds NaN or infinite values"):
+        LLM(str(path), kv_cache_memory=KV)
