@@ -10,6 +10,8 @@ python bench.py --latency [--batch 1 8] [--profile]               decode step ti
 python bench.py --load-format dummy --model-shape llama3-70b --tensor-parallel-size 8
                  random weights of a published shape from its config.json alone, N GPUs
                  (qwen3-30b-a3b: mixture of experts; its roofline counts the experts touched)
+python bench.py --load-format dummy --model-shape qwen3-8b --quantization fp8 awq gptq [--latency]
+                 the same dummy shape in bf16, then in each quantized checkpoint format
 python bench.py --cpu [--rounds N] [--threads T] [--dtype D] [--json PATH]  CPU: SmolLM2 vs HF
 Without --model, a random Qwen3-0.6B-shaped bf16 model is built offline and cached. On a
 machine without CUDA the workload shrinks (stated in the output) so it finishes in minutes.
@@ -55,8 +57,12 @@ QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144
                      rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts=128,
                      num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
                      decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+QWEN3_8B = dict(QWEN3_0_6B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8)  # fmt: skip
+QWEN3_8B["tie_word_embeddings"] = False
 # --model-shape name -> (transformers config class name, shape)
 SHAPES = {"qwen3-0.6b": ("Qwen3Config", QWEN3_0_6B), "qwen3-32b": ("Qwen3Config", QWEN3_32B),
+          "qwen3-8b": ("Qwen3Config", QWEN3_8B),
           "llama3-70b": ("LlamaConfig", LLAMA3_70B),
           "qwen3-30b-a3b": ("Qwen3MoeConfig", QWEN3_30B_A3B)}  # fmt: skip
 TINY = dict(QWEN3_0_6B, hidden_size=256, intermediate_size=768, num_hidden_layers=4)
@@ -84,15 +90,40 @@ def random_model(shape: dict, name: str, device: str) -> Path:
     return path
 
 
-def config_only(name: str) -> Path:
-    """A directory holding just the config.json of a --model-shape (for --load-format dummy)."""
+# --quantization name -> the quantization_config of a checkpoint in that format, as published:
+# Qwen's FP8 (128x128 blocks), llm-compressor's FP8-dynamic (per channel), AWQ and GPTQ int4
+# with groups of 128.
+QUANT_CONFIGS = {
+    "fp8": dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
+                weight_block_size=[128, 128]),
+    "compressed-tensors": dict(
+        quant_method="compressed-tensors", format="float-quantized", ignore=["lm_head"],
+        config_groups=dict(group_0=dict(
+            targets=["Linear"],
+            weights=dict(num_bits=8, type="float", strategy="channel", symmetric=True,
+                         dynamic=False),
+            input_activations=dict(num_bits=8, type="float", strategy="token", symmetric=True,
+                                   dynamic=True)))),
+    "awq": dict(quant_method="awq", bits=4, group_size=128, version="gemm", zero_point=True),
+    "gptq": dict(quant_method="gptq", bits=4, group_size=128, desc_act=False, sym=True,
+                 checkpoint_format="gptq"),
+}  # fmt: skip
+
+
+def config_only(name: str, quantization: str | None = None) -> Path:
+    """A directory holding just the config.json of a --model-shape (for --load-format dummy),
+    with the quantization_config of a --quantization format."""
     import transformers
 
     cls_name, shape = SHAPES[name]
-    path = cache_dir() / f"{name}-config"
+    path = cache_dir() / (f"{name}-config" + (f"-{quantization}" if quantization else ""))
     config = getattr(transformers, cls_name)(**shape, dtype="bfloat16")
     config.architectures = [cls_name.replace("Config", "ForCausalLM")]
     config.save_pretrained(path)
+    if quantization is not None:
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["quantization_config"] = QUANT_CONFIGS[quantization]
+        (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
 
 
@@ -385,6 +416,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="dummy: random weights from config.json alone")  # fmt: skip
     parser.add_argument("--model-shape", choices=list(SHAPES), default=None,
                         help="with --load-format dummy: a published model's shape")  # fmt: skip
+    parser.add_argument("--quantization", nargs="+", choices=list(QUANT_CONFIGS), default=None,
+                        help="with --model-shape: each format after bf16, one process")  # fmt: skip
     parser.add_argument("--cpu", action="store_true", help="CPU: embedded SmolLM2 against HF")
     parser.add_argument(
         "--kv-cache-dtype",
@@ -416,10 +449,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.latency:
         import latency_bench
 
-        passed = (["--json", args.json] if args.json else []) + (
-            ["--model", args.model] if args.model else []
-        )
-        return latency_bench.main(rest + passed + (["--enforce-eager"] * args.enforce_eager))
+        return latency_bench.main(rest + _latency_args(args))
     if args.memory:
         import memory_bench
 
@@ -441,6 +471,8 @@ def main(argv: list[str] | None = None) -> dict:
     num_seqs = args.num_seqs or (256 if cuda else 16)
     max_in = args.max_input_len or (1024 if cuda else 128)
     max_out = args.max_output_len or (1024 if cuda else 128)
+    if args.quantization and args.model_shape is None:
+        parser.error("--quantization goes with --load-format dummy and --model-shape")
     if args.model_shape is not None:
         if args.load_format != "dummy" or args.model:
             parser.error("--model-shape goes with --load-format dummy and no --model")
@@ -480,14 +512,43 @@ def main(argv: list[str] | None = None) -> dict:
         )
     if len(runs) > 1:
         result = {"kv_cache_dtype": runs}
+    if args.quantization:
+        result = {"bf16": result, **run_quantized(args, prompts, max_tokens, result)}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result
 
 
-def run_throughput(args, model_dir: Path, prompts, max_tokens, kv_cache_dtype: str) -> dict:
+def _latency_args(args) -> list[str]:
+    """The options of this command line that benchmarks/latency_bench.py takes too."""
+    passed = ["--json", args.json] if args.json else []
+    passed += ["--model", args.model] if args.model else []
+    passed += ["--model-shape", args.model_shape] if args.model_shape else []
+    passed += ["--quantization", *args.quantization] if args.quantization else []
+    return passed + ["--enforce-eager"] * args.enforce_eager
+
+
+def run_quantized(args, prompts, max_tokens, bf16: dict) -> dict:
+    """The throughput workload on the --model-shape in each --quantization format."""
+    runs = {}
+    for quantization in args.quantization:
+        model_dir = config_only(args.model_shape, quantization)
+        runs[quantization] = run_throughput(args, model_dir, prompts, max_tokens, "auto",
+                                            quantization)  # fmt: skip
+        runs[quantization]["ratio_to_bf16"] = runs[quantization]["tok_per_s"] / bf16["tok_per_s"]
+        print(f"{quantization} / bf16: {runs[quantization]['ratio_to_bf16']:.2f}x throughput")
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return runs
+
+
+def run_throughput(
+    args, model_dir: Path, prompts, max_tokens, kv_cache_dtype: str, quantization: str | None = None
+) -> dict:
     """The throughput workload on a new LLM with this KV cache dtype; its figures, printed."""
     from nanopaged import LLM, SamplingParams
+    from nanopaged.quantization import weight_bytes
 
     cuda = torch.cuda.is_available()
     num_seqs = len(prompts)
@@ -536,6 +597,8 @@ def run_throughput(args, model_dir: Path, prompts, max_tokens, kv_cache_dtype: s
         "tensor_parallel_size": args.tensor_parallel_size,
         "load_format": args.load_format,
         "kv_cache_dtype": kv_cache_dtype,
+        "quantization": quantization,
+        "weight_bytes": weight_bytes(llm.runner.model),
         "kernel_variants_in_timed_run": variants,
     }
     if cuda:
@@ -550,7 +613,8 @@ def run_throughput(args, model_dir: Path, prompts, max_tokens, kv_cache_dtype: s
             fraction_of_roofline=roof_s / seconds,
         )
     print(
-        f"[KV {kv_cache_dtype}] {result['device']}: {output_tokens} output tokens in "
+        f"[KV {kv_cache_dtype}{', ' + quantization if quantization else ''}] {result['device']}: "
+        f"{result['weight_bytes'] / 2**30:.2f} GiB of weights; {output_tokens} output tokens in "
         f"{seconds:.2f} s = {result['tok_per_s']:.0f} tok/s ({num_seqs} requests, "
         f"{result['prompt_tokens']} prompt tokens, {result['preemptions']} preemptions, "
         f"{100 * result['async_step_fraction']:.0f}% of steps asynchronous)"

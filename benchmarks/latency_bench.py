@@ -2,6 +2,8 @@
 
 python benchmarks/latency_bench.py [--model PATH] [--batch 1 8] [--context 300] [--profile]
                                    (or python bench.py --latency)
+python benchmarks/latency_bench.py --model-shape qwen3-8b --quantization fp8 awq gptq
+    dummy weights of a published shape, in bf16 and then each quantized format, one process
 
 For each batch size B: B random 300-token prompts generated twice through `LLM.generate`,
 once for 1 token and once for 1 + STEPS tokens (`ignore_eos`); the difference divided by
@@ -15,6 +17,7 @@ the host's share.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -66,15 +69,21 @@ def gpu_ms_per_step(llm, prompts, params, top: int = 0) -> float:
 
 
 def run_latency(model_dir: Path, batches: list[int], context: int, profile: bool,
-                enforce_eager: bool = False) -> dict:  # fmt: skip
+                enforce_eager: bool = False, load_format: str = "auto") -> dict:  # fmt: skip
     import bench
     from nanopaged import LLM, SamplingParams
+    from nanopaged.quantization import weight_bytes
 
-    llm = LLM(str(model_dir), max_model_len=4096, enforce_eager=enforce_eager)
+    llm = LLM(str(model_dir), max_model_len=4096, enforce_eager=enforce_eager,
+              load_format=load_format)  # fmt: skip
     bw = bench.copy_bandwidth_tbps()
     rng = random.Random(0)
+    quant = llm.model_config.quantization
     result = {"device": torch.cuda.get_device_name(), "copy_tb_per_s": bw, "context": context,
-              "steps": STEPS, "rows": []}  # fmt: skip
+              "steps": STEPS, "model": str(model_dir), "load_format": load_format,
+              "quantization": quant.name if quant else None,
+              "weight_bytes": weight_bytes(llm.runner.model), "rows": []}  # fmt: skip
+    print(f"{model_dir.name}: {result['weight_bytes'] / 2**30:.2f} GiB of weights", flush=True)
     for batch in batches:
         bound_ms = step_bound_bytes(llm, batch, context) / (bw * 1e12) * 1e3
         for name, setting in SETTINGS.items():
@@ -99,11 +108,24 @@ def run_latency(model_dir: Path, batches: list[int], context: int, profile: bool
     return result
 
 
+def _print_ratios(runs: dict) -> None:
+    """Each format's step time against bf16's, per batch size and sampling setting."""
+    base = {(r["batch"], r["sampling"]): r["step_ms"] for r in runs["bf16"]["rows"]}
+    for name, run in runs.items():
+        for r in run["rows"] if name != "bf16" else []:
+            speedup = base[r["batch"], r["sampling"]] / r["step_ms"]
+            print(f"{name:20s} batch {r['batch']:3d} {r['sampling']:22s} {r['step_ms']:.3f} ms/step"
+                  f" = {speedup:.2f}x bf16's")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> dict:
     import bench
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
+    parser.add_argument("--model-shape", default=None, help="dummy weights of bench.SHAPES'")
+    parser.add_argument("--quantization", nargs="+", default=[],
+                        help="with --model-shape: each format too")  # fmt: skip
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--profile", action="store_true", help="GPU kernel time per step")
@@ -112,6 +134,19 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("the latency benchmark needs CUDA")
+    if args.model_shape is not None:
+        runs = {}
+        for quantization in [None, *args.quantization]:
+            model_dir = bench.config_only(args.model_shape, quantization)
+            runs[quantization or "bf16"] = run_latency(
+                model_dir, args.batch, args.context, args.profile, args.enforce_eager, "dummy"
+            )
+            gc.collect()
+            torch.cuda.empty_cache()
+        _print_ratios(runs)
+        if args.json:
+            Path(args.json).write_text(json.dumps(runs, indent=2))
+        return runs
     model_dir = Path(args.model) if args.model else bench.random_model(
         bench.QWEN3_0_6B, "qwen3-0.6b", "cuda")  # fmt: skip
     result = run_latency(model_dir, args.batch, args.context, args.profile, args.enforce_eager)

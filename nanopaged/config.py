@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from nanopaged.quantization import QuantConfig, parse_quantization_config
+
 PREEMPTION_MODES = ("recompute", "swap")
 LOAD_FORMATS = ("auto", "dummy")
 # vLLM's names; "auto" stores K/V in the model's dtype, "fp8" means e4m3.
@@ -66,6 +68,8 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     # Qwen2-MoE: one always-on expert of this width, scaled by a sigmoid gate (0: none).
     shared_expert_intermediate_size: int = 0
+    # How the checkpoint's linear layers are quantized (nanopaged.quantization); None: float.
+    quantization: QuantConfig | None = None
 
     def is_sparse_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` uses the MoE block instead of the dense MLP."""
@@ -76,10 +80,12 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, model_dir: Path, overrides: dict | None = None) -> ModelConfig:
+    def from_dir(
+        cls, model_dir: Path, overrides: dict | None = None, quantization: str | None = None
+    ) -> ModelConfig:
         """The model directory's config.json with overrides' fields over its own (vLLM's
         hf_overrides), checked (see from_hf_config), with the eos_token_id of its
-        generation_config.json when that file sets one."""
+        generation_config.json when that file sets one; quantization: EngineArgs'."""
         path = model_dir / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model directory {model_dir}")
@@ -92,7 +98,7 @@ class ModelConfig:
                 )
             cfg = {**cfg, **overrides}
             path = f"{path} (with hf_overrides {sorted(overrides)})"
-        config = cls.from_hf_config(cfg, path)
+        config = cls.from_hf_config(cfg, path, quantization)
         gen_path = model_dir / "generation_config.json"
         if gen_path.is_file():
             gen = _read_json_object(gen_path)
@@ -102,10 +108,13 @@ class ModelConfig:
         return config
 
     @classmethod
-    def from_hf_config(cls, cfg: dict, path: Path | str) -> ModelConfig:
+    def from_hf_config(
+        cls, cfg: dict, path: Path | str, quantization: str | None = None
+    ) -> ModelConfig:
         """A Hugging Face config.json's dict, every field the decoder reads checked for type
         and range, and every feature it does not implement refused (ValueError naming the
-        field, `path` and what is allowed), before any weight is read."""
+        field, `path` and what is allowed), before any weight is read; quantization
+        (EngineArgs'), when given, must name the checkpoint's format."""
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -113,14 +122,7 @@ class ModelConfig:
                 f"unsupported architecture {archs or cfg.get('model_type')!r} in {path}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        quant = cfg.get("quantization_config")
-        if quant is not None:
-            method = quant.get("quant_method") if isinstance(quant, dict) else quant
-            raise ValueError(
-                f"{path} describes a quantized checkpoint (quantization_config: {method!r}); "
-                "quantized formats are not supported yet: use a float16, bfloat16 or float32 "
-                "checkpoint, or a GGUF file"
-            )
+        quant = parse_quantization_config(cfg.get("quantization_config"), path, arch, quantization)
         f = _Fields(cfg, path)
         missing = [k for k in _REQUIRED_SIZES if cfg.get(k) is None]
         if missing:
@@ -153,7 +155,7 @@ class ModelConfig:
         if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
             raise ValueError(
                 f"{dtype_key} in {path} must be one of {', '.join(_CHECKPOINT_DTYPES)}, got "
-                f"{dtype_name!r} (quantized formats are not supported yet)"
+                f"{dtype_name!r} (a quantized checkpoint names its format in quantization_config)"
             )
         return cls(
             architecture=arch,
@@ -175,6 +177,7 @@ class ModelConfig:
             dtype=_DTYPES[dtype_name],
             eos_token_ids=_eos_ids(cfg.get("eos_token_id"), path, sizes["vocab_size"]),
             **(_moe_fields(f, arch) if arch in _MOE_ARCHITECTURES else {}),
+            quantization=quant,
         )
 
 
@@ -545,7 +548,9 @@ class EngineArgs:
     async_scheduling: bool | None = _arg(None, "plan step N+1 while N runs (default: on CUDA)")
     tensor_parallel_size: int = _arg(1, "GPUs (or CPU processes) the model is split over")
     trust_remote_code: bool = _arg(False, "must stay False: no code from a model directory")
-    quantization: str | None = _arg(None, "None, or 'gguf' for a .gguf model")
+    quantization: str | None = _arg(
+        None, "None (the checkpoint's), fp8, awq, gptq, compressed-tensors; gguf for a .gguf"
+    )
     generation_config: str = _arg("auto", "'auto' (the model's), 'vllm' or a directory")
     load_format: str = _arg("auto", "'auto' (the checkpoint) or 'dummy' (random weights)")
     kv_cache_dtype: str = _arg("auto", "auto, fp8, fp8_e4m3 or fp8_e5m2")

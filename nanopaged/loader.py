@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import zlib
@@ -13,7 +14,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from nanopaged.layers.linear import default_weight_loader
+from nanopaged.layers.linear import Linear, default_weight_loader
+from nanopaged.platform import platform_of
+from nanopaged.quantization import QuantConfig, weight_bytes
+
+logger = logging.getLogger(__name__)
 
 # Checkpoint entries that carry nothing we use: precomputed rotary tables of old exports, and
 # the query / softmax-probability scales of checkpoints made for 8-bit attention arithmetic
@@ -62,24 +67,43 @@ def _reading(path: Path) -> Iterator:
         raise ValueError(f"cannot read weight file {path}: {e}") from e
 
 
-def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor, Path]]:
+def _check_dtype(name: str, dtype: str, path: Path, quant: QuantConfig | None) -> None:
+    """ValueError for a tensor that is neither float nor what the quantization format stores
+    at `name` (a cast would corrupt it: quantized values mean nothing without their scales)."""
+    if dtype in FLOAT_DTYPES or name.endswith(_IGNORED_SUFFIXES):
+        return
+    if quant is None:
+        raise ValueError(
+            f"weight {name!r} in {path} has dtype {dtype}; nanopaged loads float weights "
+            f"({', '.join(FLOAT_DTYPES)}) and would corrupt these by a cast: config.json has "
+            "no quantization_config saying how to read quantized ones"
+        )
+    if not quant.allows(name, dtype):
+        raise ValueError(
+            f"weight {name!r} in {path} has dtype {dtype}, which the {quant.name} format does "
+            "not store there (nanopaged reads quantized projections only: q/k/v/o_proj, "
+            "gate/up/down_proj)"
+        )
+
+
+def _checkpoint_tensors(
+    model_dir: Path, quant: QuantConfig | None = None
+) -> Iterator[tuple[str, torch.Tensor, Path]]:
     files = safetensors_files(model_dir)
     # Every file's header first: a tensor the loader would refuse costs no read of any data.
     for path in files:
         with _reading(path) as f:
             for name in f.keys():
-                dtype = f.get_slice(name).get_dtype()
-                if dtype not in FLOAT_DTYPES and not name.endswith(_IGNORED_SUFFIXES):
-                    raise ValueError(
-                        f"weight {name!r} in {path} has dtype {dtype}; nanopaged loads float "
-                        f"weights ({', '.join(FLOAT_DTYPES)}) and would corrupt these by a "
-                        "cast: quantized formats are not supported yet"
-                    )
+                _check_dtype(name, f.get_slice(name).get_dtype(), path, quant)
     for path in files:
         with _reading(path) as f:
             for name in f.keys():
                 tensor = f.get_tensor(name)
-                checked = not name.endswith(_IGNORED_SUFFIXES) and not _KV_SCALE_NAME.search(name)
+                checked = (
+                    not name.endswith(_IGNORED_SUFFIXES)
+                    and not _KV_SCALE_NAME.search(name)
+                    and (tensor.is_floating_point())  # integers (packed 4-bit) are all finite
+                )  # fmt: skip
                 if checked and not _all_finite(tensor):  # KV scales have checks of their own
                     raise ValueError(
                         f"weight {name!r} in {path} holds NaN or infinite values: the "
@@ -92,25 +116,46 @@ def _all_finite(tensor: torch.Tensor, chunk: int = 1 << 24) -> bool:
     """Whether every element is finite, read in chunks (a bool mask of a whole embedding
     would be hundreds of MB)."""
     flat = tensor.reshape(-1)
+    if tensor.element_size() == 1:
+        flat = flat.view(torch.uint8)  # 8-bit floats: CPU torch has no isfinite for them
+        # e4m3fn's only non-finite codes are NaN, 0x7f and 0xff; e5m2's have all exponent bits
+        mask, bad = (0x7F, 0x7F) if tensor.dtype == torch.float8_e4m3fn else (0x7C, 0x7C)
+        return not bool(((flat & mask) == bad).any())
     return all(
         bool(torch.isfinite(flat[i : i + chunk]).all()) for i in range(0, flat.numel(), chunk)
     )
 
 
 def _dummy_tensors(
-    shapes: dict[str, tuple[int, ...]], seed: int, dtype: torch.dtype, device: torch.device
+    shapes: dict[str, tuple[int, ...]],
+    seed: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    quant: QuantConfig | None = None,
 ) -> Iterator[tuple[str, torch.Tensor, str]]:
     for name, shape in shapes.items():
         # One stream per tensor name: every rank draws the same full tensor and keeps its shard.
         stream = seed * 1_000_003 + zlib.crc32(name.encode())
         gen = torch.Generator(device=device).manual_seed(stream)
+        if quant is not None and quant.quantizes(name):
+            # the format's tensors, dequantizing to about the same range
+            module = name.rpartition(".")[0]
+            for qname, tensor in quant.dummy_tensors(
+                module, shape, gen, device, DUMMY_WEIGHT_RANGE
+            ).items():
+                yield qname, tensor, "dummy"
+            continue
         tensor = torch.empty(shape, dtype=dtype, device=device)
         yield name, tensor.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=gen), "dummy"
 
 
+def _quantization(model: nn.Module) -> QuantConfig | None:
+    return getattr(getattr(model, "config", None), "quantization", None)
+
+
 def load_weights(model: nn.Module, model_dir: Path) -> None:
     """Copy every checkpoint tensor into its parameter; raise on a missing or unknown name."""
-    _load(model, _checkpoint_tensors(model_dir), str(model_dir))
+    _load(model, _checkpoint_tensors(model_dir, _quantization(model)), str(model_dir))
 
 
 def load_dummy_weights(
@@ -120,7 +165,9 @@ def load_dummy_weights(
     from the seed and the same whatever the tensor-parallel size: `shapes` is the full
     checkpoint's layout, and each tensor goes through its parameter's weight_loader."""
     first = next(model.parameters())
-    _load(model, _dummy_tensors(shapes, seed, first.dtype, first.device), "dummy weights")
+    tensors = _dummy_tensors(shapes, seed, first.dtype, first.device,
+                             _quantization(model))  # fmt: skip
+    _load(model, tensors, "dummy weights")
 
 
 def _kv_scale(
@@ -160,8 +207,10 @@ def _load(
     experts = getattr(model, "expert_modules", {})
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     loaded: set[str] = set()
+    quant = _quantization(model)
+    skipped = _IGNORED_SUFFIXES + (quant.skipped_suffixes if quant is not None else ())
     for name, tensor, path in tensors:
-        if name.endswith(_IGNORED_SUFFIXES):
+        if name.endswith(skipped):
             continue
         if tied and name == "lm_head.weight":
             continue  # the head is the embedding; some exports still save it
@@ -212,3 +261,21 @@ def _load(
     if missing:
         raise ValueError(f"weights missing from {where}: {', '.join(missing[:8])}")
     model.checkpoint_kv_scales = kv_scales
+    _finish_quantized(model)
+
+
+def _finish_quantized(model: nn.Module) -> None:
+    """Quantized layers, their tensors loaded: kept for the GPU kernels or dequantized into
+    float weights (CPU), as the device's platform decides."""
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.quant_method is not None]
+    if not layers:
+        return
+    gpu = platform_of(next(model.parameters()).device).gpu
+    for layer in layers:
+        layer.quant_method.process_weights_after_loading(layer, gpu)
+    kept = sum(layer.quant_method is not None for layer in layers)
+    logger.info(
+        "%s checkpoint: %d of %d quantized layers run quantized (the rest dequantized); "
+        "weights hold %.2f GiB", model.config.quantization.name, kept, len(layers),
+        weight_bytes(model) / 2**30,
+    )  # fmt: skip

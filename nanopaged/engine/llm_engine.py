@@ -122,7 +122,7 @@ class LLMEngine:
         if gguf_dtype is None:
             gguf_dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         self.model_dir = resolve_model_dir(a.model, gguf_dtype)
-        self.model_config = ModelConfig.from_dir(self.model_dir, a.hf_overrides)
+        self.model_config = ModelConfig.from_dir(self.model_dir, a.hf_overrides, a.quantization)
         gen_path = resolve_generation_config(a.generation_config, self.model_dir)
         sampling_defaults = load_sampling_defaults(gen_path)
         try:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from nanopaged.quantization import check_quantization_arg
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -33,13 +35,8 @@ def check_engine_args(model: object, trust_remote_code: object, quantization: ob
             "own model code and never imports code shipped beside a model"
         )
     is_gguf = isinstance(model, (str, os.PathLike)) and str(model).endswith(".gguf")
-    if quantization is not None and not (
-        isinstance(quantization, str) and quantization.lower() == "gguf" and is_gguf
-    ):
-        raise ValueError(
-            f"quantization={quantization!r} is not supported: use None (the checkpoint's "
-            "dtype) or a .gguf model file (quantization='gguf' or None)"
-        )
+    # The checkpoint's own quantization_config is checked against it when config.json is read.
+    check_quantization_arg(quantization, is_gguf)
 
 
 def check_vllm_args(

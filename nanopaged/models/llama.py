@@ -20,11 +20,17 @@ from nanopaged.layers.linear import (
 from nanopaged.layers.moe import EXPERT_PARAMS, SparseMoeBlock
 from nanopaged.layers.norm import RMSNorm
 from nanopaged.layers.rotary import RotaryEmbedding
+from nanopaged.quantization import linear_method
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
+    def __init__(
+        self, config: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, prefix: str = ""
+    ) -> None:
         super().__init__()
+        # prefix: the checkpoint's name of this module (its quantized layers are found by it)
+        quant = config.quantization
+        names = [f"{prefix}.{p}" for p in ("q_proj", "k_proj", "v_proj")]
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             config.head_dim,
@@ -32,6 +38,7 @@ class DecoderAttention(nn.Module):
             config.num_kv_heads,
             config.attention_bias,
             tp,
+            linear_method(quant, names),
         )
         # This rank's heads: its share of the queries and the KV heads they use.
         self.num_heads = self.qkv_proj.num_heads
@@ -41,8 +48,9 @@ class DecoderAttention(nn.Module):
         self.kv_size = self.num_kv_heads * config.head_dim
         # Left unreduced: the post-attention norm sums it over the ranks.
         self.o_proj = RowParallelLinear(
-            config.num_heads * config.head_dim, config.hidden_size, False, tp, reduce_results=False
-        )
+            config.num_heads * config.head_dim, config.hidden_size, False, tp, reduce_results=False,
+            quant_method=linear_method(quant, [f"{prefix}.o_proj"]),
+        )  # fmt: skip
         self.rotary = rotary
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -85,16 +93,18 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel, prefix: str = "") -> None:
         super().__init__()
-        size = config.intermediate_size
+        size, quant = config.intermediate_size, config.quantization
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [size, size], [0, 1], bias=config.mlp_bias, tp=tp
-        )
+            config.hidden_size, [size, size], [0, 1], bias=config.mlp_bias, tp=tp,
+            quant_method=linear_method(quant, [f"{prefix}.gate_proj", f"{prefix}.up_proj"]),
+        )  # fmt: skip
         # Left unreduced: the next layer's input norm (or the final norm) sums it.
         self.down_proj = RowParallelLinear(
-            size, config.hidden_size, config.mlp_bias, tp, reduce_results=False
-        )
+            size, config.hidden_size, config.mlp_bias, tp, reduce_results=False,
+            quant_method=linear_method(quant, [f"{prefix}.down_proj"]),
+        )  # fmt: skip
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,9 +124,11 @@ class DecoderLayer(nn.Module):
         self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, tp: TensorParallel
     ) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, rotary, tp)
+        prefix = f"model.layers.{layer}"
+        self.self_attn = DecoderAttention(config, rotary, tp, f"{prefix}.self_attn")
         sparse = config.is_sparse_layer(layer)
-        self.mlp = sparse_moe_block(config, tp) if sparse else DecoderMLP(config, tp)
+        mlp = f"{prefix}.mlp"
+        self.mlp = sparse_moe_block(config, tp) if sparse else DecoderMLP(config, tp, mlp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tp = tp

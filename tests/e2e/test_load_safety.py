@@ -256,10 +256,10 @@ BAD_CONFIGS = {
     "sliding-window-flag": (dict(use_sliding_window=True, max_window_layers=1),
                             r"use_sliding_window=true in .* \(layers 1..1\): sliding-window"),
     "dtype-int8": (dict(dtype="int8"), r"dtype in .* must be one of float32, float16, bfloat16, "
-                   r"got 'int8' \(quantized formats are not supported yet\)"),
-    "quantized": (dict(quantization_config=dict(quant_method="gptq", bits=4)),
-                  r"quantized checkpoint \(quantization_config: 'gptq'\); quantized formats "
-                  r"are not supported yet"),
+                   r"got 'int8' \(a quantized checkpoint names its format in "
+                   r"quantization_config\)"),
+    "quantized-3-bit": (dict(quantization_config=dict(quant_method="gptq", bits=3)),
+                        r"quantization_config.bits in .* must be one of 4 for nanopaged, got 3"),
 }  # fmt: skip
 
 
@@ -311,8 +311,8 @@ def test_non_float_tensor_is_refused_uncast(model_dir, tmp_path, kind, no_weight
     save_file({k: tensors[k] for k in names[1::2]}, path / "model-00002-of-00002.safetensors")
     shard = next(p for p in path.glob("*.safetensors") if bad in load_file(p))
     with pytest.raises(ValueError, match=rf"weight '{bad}' in {shard} has dtype {name}; nanopaged "
-                       r"loads float weights \(F16, BF16, F32, F64\) .*quantized formats are "
-                       r"not supported yet"):
+                       r"loads float weights \(F16, BF16, F32, F64\) .*config.json has no "
+                       r"quantization_config"):
         LLM(str(path), kv_cache_memory=KV)  # fmt: skip
 
 

@@ -1,0 +1,106 @@
+"""w4a16_gemm (Triton) against w4a16_gemm_ref over AWQ and GPTQ packings (symmetric or not,
+desc_act, one group), row counts, K splits and ragged tiles; dequantize_int4 against the
+weights the test's own packers wrote."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_inputs import DEVICE
+from quant_formats import quantize_awq, quantize_gptq
+
+from nanopaged.kernels.w4a16_gemm import (
+    Int4Weight,
+    W4A16Config,
+    default_config,
+    dequantize_int4,
+    w4a16_gemm,
+    w4a16_gemm_ref,
+)
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def make_weight(kind: str, n: int, k: int, group: int, seed: int = 0):
+    """(Int4Weight, the dequantized [n, k] weight the packer meant) of a random weight."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) / k**0.5
+    if kind == "awq":
+        t, deq = quantize_awq(w, group)
+        return Int4Weight("awq", t["qweight"], t["scales"], t["qzeros"], group), deq
+    sym, desc_act, v1 = kind == "gptq-sym", kind == "gptq-desc_act", kind != "gptq-v2"
+    t, deq = quantize_gptq(w, group, sym, desc_act, v1=v1, seed=seed)
+    zeros = None if sym else t["qzeros"]  # symmetric: the kernel's constant 8
+    g_idx = t["g_idx"] if desc_act else None
+    return Int4Weight("gptq", t["qweight"], t["scales"], zeros, group, g_idx, int(v1)), deq
+
+
+def to_device(w: Int4Weight) -> Int4Weight:
+    move = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    return Int4Weight(w.layout, move(w.qweight), move(w.scales), move(w.qzeros), w.group_size,
+                      move(w.g_idx), w.zero_offset)  # fmt: skip
+
+
+KINDS = ["awq", "gptq-sym", "gptq-asym", "gptq-desc_act", "gptq-v2"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dequantize_matches_the_packed_weights(kind):
+    w, deq = make_weight(kind, 48, 128, 32)
+    assert torch.equal(dequantize_int4(w, torch.float32), deq.t())
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    tol = 1e-5 if out.dtype == torch.float32 else 2e-2
+    scale = ref.float().abs().max().clamp(min=1)
+    assert ((out.float() - ref.float()).abs().max() / scale).item() <= tol
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "m, config",
+    [
+        (1, W4A16Config(16, 32, 32)),
+        (5, W4A16Config(16, 64, 64, split_k=2)),
+        (17, W4A16Config(16, 32, 32, split_k=3)),  # a short last split, two row tiles
+        (33, W4A16Config(32, 64, 32)),
+    ],
+)
+def test_kernel_matches_reference(kind, dtype, m, config):
+    # n = 80: a ragged last tile of output columns
+    w, _ = make_weight(kind, 80, 256, 64, seed=m)
+    w = to_device(w)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    out = w4a16_gemm(x, w, config)
+    assert_close(out, w4a16_gemm_ref(x, w))
+
+
+def test_one_group_and_default_config():
+    """group_size = K (GPTQ's -1) and the launcher's own choice of tiles."""
+    w, _ = make_weight("gptq-asym", 64, 128, 128)
+    w = to_device(w)
+    x = torch.randn(3, 128).to(DEVICE)
+    assert default_config(3, 64, 128, 128).block_k == 128
+    assert_close(w4a16_gemm(x, w), w4a16_gemm_ref(x, w))
+    assert w4a16_gemm(x[:0], w).shape == (0, 64)
+
+
+def test_strided_rows():
+    """x rows with a stride (a view into a wider tensor) are read in place."""
+    w, _ = make_weight("awq", 32, 64, 32)
+    w = to_device(w)
+    wide = torch.randn(4, 96).to(DEVICE)
+    x = wide[:, :64]
+    assert_close(w4a16_gemm(x, w, W4A16Config(16, 32, 32)), w4a16_gemm_ref(x.contiguous(), w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["awq", "gptq-sym", "gptq-desc_act"])
+@pytest.mark.parametrize("m", [1, 16, 256])
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 12288)])
+def test_kernel_gpu_shapes(kind, m, n, k):
+    w, _ = make_weight(kind, n, k, 128)
+    w = to_device(w)
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    assert_close(w4a16_gemm(x, w), w4a16_gemm_ref(x, w))
