@@ -88,7 +88,9 @@ def simulate(
     while sched.has_unfinished():
         batch = sched.schedule()
         assert batch.seqs, "no progress"
-        sched.postprocess(batch, _stand_in_outputs(batch, rng))
+        outs = _stand_in_outputs(batch, rng)
+        sched.advance(batch)
+        sched.commit(batch, outs)
         running = [
             s for g in sched.running for s in g.seqs_with_status(SequenceStatus.RUNNING)
         ]

@@ -371,32 +371,23 @@ class LLMEngine:
         if self._in_flight is None:
             if not self.scheduler.has_unfinished():
                 return [], []
-            batch = self.scheduler.schedule()
-            if not batch.seqs:
+            self._in_flight = self._launch()
+            if self._in_flight is None:
                 raise RuntimeError("the scheduler could not make progress")  # invariant
-            handle = self.runner.launch(batch, self.eos_token_ids)
-        else:
-            (batch, handle), self._in_flight = self._in_flight, None
+        (batch, handle), self._in_flight = self._in_flight, None
         # A decode row computes the last sampled token; prompts are prefill, however short.
         num_decode = sum(
             1
             for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)
             if n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == len(seq) - 1
         )
-        if self.may_run_ahead(batch, handle):
-            # Plan and launch the next step while this one runs on the device.
-            self.scheduler.advance(batch)
-            following = self.scheduler.schedule()
-            if following.seqs:
-                launched = self.runner.launch(following, self.eos_token_ids, prev=handle)
-                self._in_flight = (following, launched)
-            step = self.scheduler.commit(
-                batch, handle.result(), handle.logprobs(), handle.prompt_logprobs()
-            )
-        else:
-            step = self.scheduler.postprocess(
-                batch, handle.result(), handle.logprobs(), handle.prompt_logprobs()
-            )
+        ahead = self.may_run_ahead(batch, handle)
+        self.scheduler.advance(batch)
+        if ahead:  # plan and launch the next step while this one runs on the device
+            self._in_flight = self._launch(prev=handle)
+        step = self.scheduler.commit(
+            batch, handle.result(), handle.logprobs(), handle.prompt_logprobs()
+        )
         stopped = self._check_stop_strings(step.grown)
         self.rates.add(batch.total_tokens - num_decode, num_decode)
         # Two samples of one request can both stop here: each request once.
@@ -408,6 +399,14 @@ class LLMEngine:
         if not self.requests:
             self._drain()
         return grown, finished
+    def _launch(self, prev: StepHandle | None = None) -> tuple[ScheduledBatch, StepHandle] | None:
+        """Schedule a step and queue it on the device (None: nothing to run). prev: the step
+        launched before it, whose samples are still on the device."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return None
+        return batch, self.runner.launch(batch, self.eos_token_ids, prev=prev)
+
 
     def _drain(self) -> None:
         """Wait out a step launched ahead whose sequences have all ended: its tokens are

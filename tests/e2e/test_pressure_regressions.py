@@ -62,7 +62,8 @@ def test_swapped_group_falls_back_to_recompute_when_it_cannot_come_back(llama):
     sched.add(group)
     batch = sched.schedule()
     assert batch.seqs == [seq]
-    sched.postprocess(batch, [7])
+    sched.advance(batch)
+    sched.commit(batch, [7])
     sched.running.remove(group)
     sched._preempt(group, batch)  # swapped out
     assert seq.status == SequenceStatus.SWAPPED
