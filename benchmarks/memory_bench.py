@@ -28,10 +28,9 @@ from pathlib import Path
 import torch
 
 from nanopaged.engine.block_manager import BlockManager
-from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.sample_output import SampleOutput
 from nanopaged.engine.scheduler import Scheduler
-from nanopaged.engine.sequence import Sequence, SequenceStatus
+from nanopaged.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from nanopaged.sampling_params import BeamSearchParams, SamplingParams
 
 # (input mean, output mean, sigma of log-length): the paper's dataset means.

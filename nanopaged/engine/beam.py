@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from nanopaged.engine.block_manager import BlockManager
-from nanopaged.engine.group import BeamHypothesis, SequenceGroup
 from nanopaged.engine.sample_output import SampleOutput
-from nanopaged.engine.sequence import Sequence, SequenceStatus
+from nanopaged.engine.sequence import BeamHypothesis, Sequence, SequenceGroup, SequenceStatus
 
 
 def beam_score(

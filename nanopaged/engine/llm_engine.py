@@ -28,14 +28,13 @@ from nanopaged.config import (
 from nanopaged.distributed.parallel import check_tp_shapes
 from nanopaged.distributed.workers import TPWorkers, check_device_count
 from nanopaged.engine.block_manager import BlockManager
-from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.model_runner import ModelRunner, StepHandle, kv_bytes_per_block
 from nanopaged.engine.output_processor import StopMatcher
 from nanopaged.engine.processor import InputProcessor, Request
 from nanopaged.engine.request_output import OutputBuilder, RunningRequest, reports_progress
 from nanopaged.engine.sample_output import NonFiniteLogitsError
 from nanopaged.engine.scheduler import ScheduledBatch, Scheduler
-from nanopaged.engine.sequence import Sequence
+from nanopaged.engine.sequence import Sequence, SequenceGroup
 from nanopaged.engine.startup import (
     check_engine_args,
     check_vllm_args,
@@ -407,6 +406,14 @@ class LLMEngine:
             return None
         return batch, self.runner.launch(batch, self.eos_token_ids, prev=prev)
 
+
+    def _launch(self, prev: StepHandle | None = None) -> tuple[ScheduledBatch, StepHandle] | None:
+        """Schedule a step and queue it on the device (None: nothing to run). prev: the step
+        launched before it, whose samples are still on the device."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return None
+        return batch, self.runner.launch(batch, self.eos_token_ids, prev=prev)
 
     def _drain(self) -> None:
         """Wait out a step launched ahead whose sequences have all ended: its tokens are

@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING
 from nanopaged.config import PREEMPTION_MODES
 from nanopaged.engine.beam import beam_search_step, finalize_beams
 from nanopaged.engine.block_manager import BlockManager
-from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.sample_output import SampleOutput, StepLogprobs
-from nanopaged.engine.sequence import Sequence, SequenceStatus
+from nanopaged.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 if TYPE_CHECKING:
     from nanopaged.engine.prompt_logprobs import PromptLogprobRows
@@ -426,6 +425,25 @@ class Scheduler:
             step.finished_groups.append(group)
 
 
+    def _step_beams(
+        self, results: list[tuple[Sequence, SampleOutput]], step: StepOutput
+    ) -> None:
+        """One beam search step of a group from its live beams' samples."""
+        group = results[0][0].group
+        bm = self.block_manager
+        live = beam_search_step(group, results, self.eos_token_ids, bm)
+        step.grown.extend(live)
+        head = live[0] if live else None
+        if (
+            head is None
+            or head.num_output_tokens >= group.beam_params.max_tokens
+            or len(head) >= self.max_model_len
+        ):
+            step.finished.extend(live)
+            finalize_beams(group, bm)
+            self.running.remove(group)
+            step.finished_groups.append(group)
+
     def _finish_if_stopped(self, seq: Sequence, step: StepOutput) -> None:
         reason = self._stop_reason(seq, seq.token_ids[-1])
         if reason is not None:
@@ -491,6 +509,7 @@ class Scheduler:
     def abort_all(self) -> list[SequenceGroup]:
         self._advanced = None
         """Drop every queued, running and swapped group, freeing their blocks."""
+        self._advanced = None
         dropped = list(self.running) + list(self.swapped) + list(self.waiting)
         for group in dropped:
             self.abort(group)

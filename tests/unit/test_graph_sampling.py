@@ -12,9 +12,8 @@ import torch
 from tiny_models import make_tiny_model
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.sampling import SlotSettings, sampling_tensors
-from nanopaged.engine.sequence import Sequence
+from nanopaged.engine.sequence import Sequence, SequenceGroup
 from nanopaged.engine.step_inputs import StepInputs
 from nanopaged.layers.sampler import SAMPLER_PATHS, sample, sampler_path, with_path
 from nanopaged.sampling_params import BeamSearchParams

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.sampling import needs_sample_outputs, sample_sequences
-from nanopaged.engine.sequence import Sequence
+from nanopaged.engine.sequence import Sequence, SequenceGroup
 from nanopaged.logits_processors import apply_logit_controls
 from nanopaged.sampling_params import SamplingParams
 

@@ -8,9 +8,8 @@ import math
 import pytest
 import torch
 
-from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.sampling import penalize, sample_sequences
-from nanopaged.engine.sequence import Sequence
+from nanopaged.engine.sequence import Sequence, SequenceGroup
 from nanopaged.kernels.penalties import apply_penalties
 from nanopaged.sampling_params import BeamSearchParams, SamplingParams
 

@@ -8,10 +8,9 @@ import itertools
 import pytest
 
 from nanopaged.engine.block_manager import BlockManager
-from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.sample_output import SampleOutput
 from nanopaged.engine.scheduler import Scheduler
-from nanopaged.engine.sequence import Sequence, SequenceStatus
+from nanopaged.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from nanopaged.sampling_params import BeamSearchParams, SamplingParams
 
 BS = 4
