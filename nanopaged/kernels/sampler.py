@@ -30,7 +30,8 @@ token's mass sits within fp32 summation error of top_p * Z.
 
 Rows without top-k need no search at all: sample_fused(plain=True) and sample_fused(top_k=False)
 draw them in chunks of the row side by side, with the same bits per token as the full kernel
-(kernels/sampler_chunks.py, which also holds argmax_fused).
+(kernels/sampler_chunks.py, which also holds sample_fused, the entry that picks a path, and
+argmax_fused).
 """
 
 from __future__ import annotations
@@ -552,10 +553,6 @@ if triton is not None:
 # of each logits dtype (a bracket narrower than it around its values holds about two of them).
 MAX_PROBES = 6
 _RESOLUTION = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
-# Frontier points kept per chunk (F) and per row (R) by the chunked draw of rows without top-k
-# (sampler_chunks.draw_frontier): a chunk of 2,048 random values has ~2-7, a flat row of 152k
-# ~12; a row past them takes the full kernel's walk.
-FRONTIER = (16, 32)
 
 
 def _launch(
@@ -619,71 +616,6 @@ def _launch(
     top_vals, order = top_vals.sort(dim=1, descending=True, stable=True)
     top_vals, top_ids = top_vals[:, :num_logprobs], top_ids.gather(1, order[:, :num_logprobs])
     return FusedSample(tokens, token_logprobs, top_vals - lse[:, None], top_ids, scores)
-
-
-def sample_fused(
-    logits: torch.Tensor,
-    temperatures: torch.Tensor,
-    top_ks: torch.Tensor,
-    top_ps: torch.Tensor,
-    min_ps: torch.Tensor,
-    seeds: torch.Tensor,
-    offsets: torch.Tensor,
-    num_logprobs: int = 0,
-    vocab_start: int = 0,
-    *,
-    block: int | None = None,
-    num_warps: int | None = None,
-    programs_per_sm: int = 1,
-    logprobs: bool = True,
-    plain: bool = False,
-    min_p: bool = True,
-    top_k: bool = True,
-    frontier: tuple[int, int] = FRONTIER,
-) -> FusedSample:
-    """Sample one token per row of logits [batch, vocab] (fp32/bf16/fp16, rows may be strided).
-
-    Per row, on the logits' device: temperatures fp32 (0 = greedy), top_ks int32 (<= 0 or >=
-    vocab = off), top_ps fp32 (1 = off), min_ps fp32 (0 = off), seeds int64, offsets int64.
-    The noise of a row is keyed by (seed, offset): the caller folds the sample index and the
-    output position into offset (e.g. position * n + sample_index), so a row's draw is
-    reproducible and independent of the batch. num_logprobs > 0 also returns the top
-    num_logprobs raw logprobs; logprobs=False leaves out the sampled tokens' own (then
-    FusedSample.logprobs is None) unless num_logprobs > 0, and the pass that sums the row's
-    softmax with it. The module docstring states the exact semantics.
-
-    vocab_start: the columns are token ids vocab_start.. of a larger vocabulary (a
-    tensor-parallel rank's shard): the noise is that of those ids. Token ids returned are
-    column indices; with no top-k, top-p or min-p, the shard of the largest score (the first
-    on ties) holds the full row's token (see FusedSample.scores).
-
-    plain: the caller knows no row has top-k or top-p; min_p: whether a row may have min-p.
-    Such rows need no search: their draw runs in chunks of `block` columns (2048 unless given)
-    side by side, with the rows' maxima (min-p) and softmax sums and top values (logprobs)
-    from a pass of chunks before it. The same tokens and scores as the full kernel and its
-    logprobs within rounding, in a fraction of its time (one program walking a whole row is
-    bound by its loads' latency).
-
-    top_k: whether a row may have top-k. Without it (and without top logprobs) rows with top-p
-    draw in chunks too (sampler_chunks.draw_frontier): the full kernel's tokens, found from
-    the masses above a few candidate tokens instead of a search for the cut (frontier: the
-    candidates kept per chunk and per row; tests make them small to reach the fallback).
-    """
-    # The chunked draws (kernels/sampler_chunks.py) build on this module's full kernel.
-    from nanopaged.kernels import sampler_chunks
-
-    if plain:
-        return sampler_chunks.draw_chunked(
-            logits, temperatures, min_ps if min_p else None, seeds, offsets, vocab_start,
-            block or 2048, num_logprobs, logprobs,
-        )  # fmt: skip
-    if not top_k and num_logprobs == 0:
-        return sampler_chunks.draw_frontier(
-            logits, temperatures, top_ks, top_ps, min_ps, seeds, offsets, vocab_start, block,
-            logprobs, frontier,
-        )  # fmt: skip
-    return _launch(logits, temperatures, top_ks, top_ps, min_ps, seeds, offsets, num_logprobs,
-                   None, block, num_warps, vocab_start, programs_per_sm, logprobs)
 
 
 def allowed_mask_fused(

@@ -1,5 +1,6 @@
-"""Sampling in chunks of a row side by side: argmax_fused, and sample_fused's draws for rows
-without top-k (kernels/sampler.py has the semantics, the reference and the full kernel).
+"""Sampling in chunks of a row side by side: sample_fused (the full kernel of kernels/sampler.py,
+which has the semantics and the reference, or a chunked draw), its draws for rows without
+top-k, and argmax_fused.
 
 One program walking a 152k-entry row is bound by its loads' latency; here programs of BLOCK
 columns each reduce their chunk and a per-row program merges the chunks, so one row (a batch-1
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from nanopaged.kernels.sampler import _RESOLUTION, MAX_PROBES, FusedSample
+from nanopaged.kernels.sampler import _RESOLUTION, MAX_PROBES, FusedSample, _launch
 
 try:
     import triton
@@ -26,6 +27,11 @@ try:
     from nanopaged.kernels.sampler import _sample_row
 except ImportError:  # CPU-only installs use sampler.sample_ref / argmax_ref
     triton = None
+
+# Frontier points kept per chunk (F) and per row (R) by the chunked draw of rows without top-k
+# (draw_frontier): a chunk of 2,048 random values has ~2-7, a flat row of 152k
+# ~12; a row past them takes the full kernel's walk.
+FRONTIER = (16, 32)
 
 
 if triton is not None:
@@ -541,3 +547,65 @@ def draw_frontier(
         num_warps=16 if full_block >= 4096 else 4,
     )  # fmt: skip
     return FusedSample(tokens, token_logprobs, None, None, scores)
+
+
+def sample_fused(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    num_logprobs: int = 0,
+    vocab_start: int = 0,
+    *,
+    block: int | None = None,
+    num_warps: int | None = None,
+    programs_per_sm: int = 1,
+    logprobs: bool = True,
+    plain: bool = False,
+    min_p: bool = True,
+    top_k: bool = True,
+    frontier: tuple[int, int] = FRONTIER,
+) -> FusedSample:
+    """Sample one token per row of logits [batch, vocab] (fp32/bf16/fp16, rows may be strided).
+
+    Per row, on the logits' device: temperatures fp32 (0 = greedy), top_ks int32 (<= 0 or >=
+    vocab = off), top_ps fp32 (1 = off), min_ps fp32 (0 = off), seeds int64, offsets int64.
+    The noise of a row is keyed by (seed, offset): the caller folds the sample index and the
+    output position into offset (e.g. position * n + sample_index), so a row's draw is
+    reproducible and independent of the batch. num_logprobs > 0 also returns the top
+    num_logprobs raw logprobs; logprobs=False leaves out the sampled tokens' own (then
+    FusedSample.logprobs is None) unless num_logprobs > 0, and the pass that sums the row's
+    softmax with it. kernels/sampler.py's docstring states the exact semantics.
+
+    vocab_start: the columns are token ids vocab_start.. of a larger vocabulary (a
+    tensor-parallel rank's shard): the noise is that of those ids. Token ids returned are
+    column indices; with no top-k, top-p or min-p, the shard of the largest score (the first
+    on ties) holds the full row's token (see FusedSample.scores).
+
+    plain: the caller knows no row has top-k or top-p; min_p: whether a row may have min-p.
+    Such rows need no search: their draw runs in chunks of `block` columns (2048 unless given)
+    side by side, with the rows' maxima (min-p) and softmax sums and top values (logprobs)
+    from a pass of chunks before it. The same tokens and scores as the full kernel and its
+    logprobs within rounding, in a fraction of its time (one program walking a whole row is
+    bound by its loads' latency).
+
+    top_k: whether a row may have top-k. Without it (and without top logprobs) rows with top-p
+    draw in chunks too (draw_frontier): the full kernel's tokens, found from
+    the masses above a few candidate tokens instead of a search for the cut (frontier: the
+    candidates kept per chunk and per row; tests make them small to reach the fallback).
+    """
+    if plain:
+        return draw_chunked(
+            logits, temperatures, min_ps if min_p else None, seeds, offsets, vocab_start,
+            block or 2048, num_logprobs, logprobs,
+        )  # fmt: skip
+    if not top_k and num_logprobs == 0:
+        return draw_frontier(
+            logits, temperatures, top_ks, top_ps, min_ps, seeds, offsets, vocab_start, block,
+            logprobs, frontier,
+        )  # fmt: skip
+    return _launch(logits, temperatures, top_ks, top_ps, min_ps, seeds, offsets, num_logprobs,
+                   None, block, num_warps, vocab_start, programs_per_sm, logprobs)
