@@ -191,9 +191,22 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's work; may preempt running groups to make room."""
-        bm = self.block_manager
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
+        budget, preempted = self._schedule_running(batch, self.max_num_batched_tokens)
+        budget = self._schedule_swapped(batch, budget, preempted)
+        if not preempted or not batch.seqs:
+            self._schedule_waiting(batch, budget)
+        self.num_advanced_steps += self._advanced is not None
+        self.num_steps += bool(batch.seqs)
+        if batch.total_tokens != len(batch.seqs):
+            decodes_first(batch)
+        batch.prompt_logprob_spans = prompt_logprob_spans(batch)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> tuple[int, bool]:
+        """Extend the running groups within budget, preempting the newest when blocks run out;
+        returns (the budget left, whether any group was preempted)."""
+        bm = self.block_manager
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -230,9 +243,13 @@ class Scheduler:
                 i += 1
                 continue
             break  # the group preempted itself: nothing newer is left to run
+        return budget, preempted
 
-        # Swapped-out groups come back before new ones are admitted, and only when nothing was
-        # preempted this step (or they would thrash), unless nothing runs at all.
+    def _schedule_swapped(self, batch: ScheduledBatch, budget: int, preempted: bool) -> int:
+        """Bring swapped-out groups back within budget; returns the budget left. They come back
+        before new ones are admitted, and only when nothing was preempted this step (or they
+        would thrash), unless nothing runs at all."""
+        bm = self.block_manager
         while (not preempted or not batch.seqs) and self.swapped and budget > 0:
             group = self.swapped[0]
             if not self._has_room(group):
@@ -261,9 +278,12 @@ class Scheduler:
                     batch.seqs.append(seq)
                     batch.num_scheduled_tokens.append(n)
                     budget -= n
+        return budget
 
-        admit = not preempted or not batch.seqs
-        while admit and not self.swapped and self.waiting and budget > 0:
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        """Admit waiting groups in order while budget, room and blocks last (none while a
+        swapped-out group waits to come back)."""
+        while not self.swapped and self.waiting and budget > 0:
             group = self.waiting[0]
             if not self._has_room(group):
                 break
@@ -273,12 +293,6 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(group)
             budget -= num_tokens
-        self.num_advanced_steps += self._advanced is not None
-        self.num_steps += bool(batch.seqs)
-        if batch.total_tokens != len(batch.seqs):
-            decodes_first(batch)
-        batch.prompt_logprob_spans = prompt_logprob_spans(batch)
-        return batch
 
     def _admit(self, group: SequenceGroup, budget: int, batch: ScheduledBatch) -> int | None:
         """Allocate blocks for every waiting sequence of group (all or none) and schedule them;
