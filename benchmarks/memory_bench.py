@@ -28,9 +28,8 @@ from pathlib import Path
 import torch
 
 from nanopaged.engine.block_manager import BlockManager
-from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.scheduler import Scheduler
-from nanopaged.engine.sequence import Sequence, SequenceStatus
+from nanopaged.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from nanopaged.sampling.output import SampleOutput
 from nanopaged.sampling_params import BeamSearchParams, SamplingParams
 
@@ -88,7 +87,9 @@ def simulate(
     while sched.has_unfinished():
         batch = sched.schedule()
         assert batch.seqs, "no progress"
-        sched.postprocess(batch, _stand_in_outputs(batch, rng))
+        outs = _stand_in_outputs(batch, rng)
+        sched.advance(batch)
+        sched.commit(batch, outs)
         running = [
             s for g in sched.running for s in g.seqs_with_status(SequenceStatus.RUNNING)
         ]

@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from nanopaged.sampling import penalties as sampling
 from nanopaged.engine.sequence import Sequence
 from nanopaged.kernels.penalties import penalize_rows_ref
 from nanopaged.layers.backend import backend_for
+from nanopaged.sampling import penalties as sampling
 from nanopaged.sampling.penalties import PenaltyCounts, penalize
 from nanopaged.sampling_params import SamplingParams
 

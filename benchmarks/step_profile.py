@@ -50,21 +50,24 @@ def main(argv: list[str] | None = None) -> None:
         s.add(Sequence([random.randint(0, 10000) for _ in range(args.context)], params))
     while s.waiting or any(q.num_computed_tokens < len(q) - 1 for g in s.running for q in g.seqs):
         b = s.schedule()
-        s.postprocess(b, runner.run(b, llm.eos_token_ids))
+        tokens = runner.run(b, llm.eos_token_ids)
+        s.advance(b)
+        s.commit(b, tokens)
 
     def timed(n: int) -> dict[str, float]:
-        t = {"schedule": 0.0, "run": 0.0, "postprocess": 0.0}
+        t = {"schedule": 0.0, "run": 0.0, "commit": 0.0}
         for _ in range(n):
             t0 = time.perf_counter()
             b = s.schedule()
             t1 = time.perf_counter()
             tokens = runner.run(b, llm.eos_token_ids)
             t2 = time.perf_counter()
-            s.postprocess(b, tokens)
+            s.advance(b)
+            s.commit(b, tokens)
             t3 = time.perf_counter()
             t["schedule"] += t1 - t0
             t["run"] += t2 - t1
-            t["postprocess"] += t3 - t2
+            t["commit"] += t3 - t2
         return {k: 1000 * v / n for k, v in t.items()}
 
     timed(5)

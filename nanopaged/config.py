@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from nanopaged.platform import platform_of
 from nanopaged.quantization import QuantConfig, parse_quantization_config
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -401,15 +402,16 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, device: torch.device) -> torch.d
             f"kv_cache_dtype={kv_cache_dtype!r} needs torch.{name}, which torch "
             f"{torch.__version__} lacks; use kv_cache_dtype='auto'"
         )
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        if (major, minor) < (8, 9):
-            gpu = torch.cuda.get_device_name(device)
-            raise ValueError(
-                f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU of compute capability >= 8.9 "
-                f"(Ada, Hopper or newer) for Triton's fp8 loads; {gpu} has {major}.{minor}; "
-                "use kv_cache_dtype='auto'"
-            )
+    platform = platform_of(device)
+    capability = platform.compute_capability(device)
+    if capability is not None and capability < (8, 9):
+        major, minor = capability
+        gpu = platform.device_name(device)
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU of compute capability >= 8.9 "
+            f"(Ada, Hopper or newer) for Triton's fp8 loads; {gpu} has {major}.{minor}; "
+            "use kv_cache_dtype='auto'"
+        )
     return dtype
 
 
@@ -578,6 +580,28 @@ class EngineArgs:
                 kwargs["type"] = {"int": int, "float": float, "str": str}[kind]
             parser.add_argument(flag, **kwargs)
         return parser
+
+    def create_engine_config(self) -> EngineConfig:
+        """The checked EngineConfig of these arguments (vLLM's name)."""
+        return EngineConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            kv_cache_memory=self.kv_cache_memory,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enforce_eager=self.enforce_eager,
+            seed=self.seed,
+            max_model_len=self.max_model_len,
+            preemption_mode=self.preemption_mode,
+            swap_space=self.swap_space,
+            async_scheduling=self.async_scheduling,
+            tensor_parallel_size=self.tensor_parallel_size,
+            load_format=self.load_format,
+            kv_cache_dtype=self.kv_cache_dtype,
+            calculate_kv_scales=self.calculate_kv_scales,
+            max_logprobs=self.max_logprobs,
+        )
 
     @classmethod
     def from_cli_args(cls, args) -> EngineArgs:

@@ -286,9 +286,7 @@ class LLM:
                 "start_profile needs a directory for the trace: pass profile_dir=, or set "
                 "NANOPAGED_TORCH_PROFILER_DIR (or VLLM_TORCH_PROFILER_DIR)"
             )
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        activities = self.llm_engine.platform.profiler_activities()
         self._profile_dir = Path(profile_dir)
         self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
         self._profiler.start()

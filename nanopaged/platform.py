@@ -7,6 +7,7 @@ chosen in attention/ (by device and dtype), everything else here.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,12 +33,49 @@ class Platform:
             return torch.float32
         return torch.bfloat16 if checkpoint_dtype == torch.float32 else checkpoint_dtype
 
+    def is_available(self) -> bool:
+        """Whether this process can run on a device of this kind."""
+        return not self.gpu or torch.cuda.is_available()
+
+    def device_count(self) -> int | None:
+        """Devices of this kind on the machine, None for the CPU (every rank shares it).
+        Asks NVML, not the CUDA runtime: a process that forks workers must not start CUDA."""
+        return torch.cuda.device_count() if self.gpu else None
+
+    def rank_device(self, rank: int) -> torch.device:
+        """The device tensor-parallel rank `rank` runs on: GPU `rank`, or the CPU."""
+        return torch.device("cuda", rank) if self.gpu else torch.device("cpu")
+
+    def bind_rank(self, rank: int, size: int) -> torch.device:
+        """Make rank_device(rank) this worker process's device: the current GPU, or the CPU
+        with an even share of its cores for each of the `size` ranks."""
+        if self.gpu:
+            torch.cuda.set_device(rank)
+        else:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        return self.rank_device(rank)
+
+    def compute_capability(self, device: torch.device) -> tuple[int, int] | None:
+        """A GPU's (major, minor) compute capability; None for the CPU."""
+        return torch.cuda.get_device_capability(device) if self.gpu else None
+
+    def device_name(self, device: torch.device) -> str:
+        return torch.cuda.get_device_name(device) if self.gpu else "the CPU"
+
+    def profiler_activities(self) -> list[torch.profiler.ProfilerActivity]:
+        """What torch's profiler records on this platform: the host, and the GPU's kernels."""
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.gpu:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        return activities
+
 
 CUDA = Platform(name="cuda", gpu=True, dist_backend="nccl", async_scheduling=True)
 CPU = Platform(name="cpu", gpu=False, dist_backend="gloo", async_scheduling=False)
 
 
 def platform_of(device: torch.device | str) -> Platform:
+    """The platform of a device ("cuda", "cuda:1", "cpu" or a torch.device)."""
     return CUDA if torch.device(device).type == "cuda" else CPU
 
 

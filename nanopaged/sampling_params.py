@@ -176,6 +176,15 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check_structured_outputs(self.structured_outputs)
+        self._check_counts()
+        self._check_filters()
+        self._check_lengths()
+        self._check_stops()
+        self._check_logprobs_and_penalties()
+        self._check_logit_controls()
+
+    def _check_counts(self) -> None:
+        """The integer and number fields' types, n, best_of, output_kind and extra_args."""
         for name in ("n", "top_k", "min_tokens"):
             _check_int(name, getattr(self, name))
         if self.max_tokens is not None:
@@ -197,6 +206,9 @@ class SamplingParams:
             raise TypeError(
                 f"extra_args must be a dict or None, got {type(self.extra_args).__name__}"
             )
+
+    def _check_filters(self) -> None:
+        """temperature (a tiny one is greedy), top_p, top_k, min_p and seed."""
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(
                 f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature}"
@@ -213,6 +225,9 @@ class SamplingParams:
             _check_int("seed", self.seed)
             if not 0 <= self.seed < 2**64:
                 raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+
+    def _check_lengths(self) -> None:
+        """The bool flags, max_tokens and min_tokens."""
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
@@ -224,6 +239,9 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
+
+    def _check_stops(self) -> None:
+        """stop and stop_token_ids, made lists."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not isinstance(self.stop, (list, tuple)):
@@ -242,6 +260,9 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must hold ints >= 0, got {t!r}")
+
+    def _check_logprobs_and_penalties(self) -> None:
+        """logprobs, prompt_logprobs and the three penalties."""
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
@@ -258,7 +279,6 @@ class SamplingParams:
                 f"repetition_penalty must be a finite number > 0 (1 = none), "
                 f"got {self.repetition_penalty}"
             )
-        self._check_logit_controls()
 
     def _check_logit_controls(self) -> None:
         if self.logit_bias is not None:

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from nanopaged.distributed.parallel import TensorParallel
+from nanopaged.platform import CUDA
 
 _HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 _LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
@@ -35,7 +34,7 @@ def cuda_runtime() -> ctypes.CDLL | None:
     """The CUDA runtime library torch has loaded, with the IPC calls typed; None without one
     (a CPU build, or a runtime linked statically)."""
     global _runtime
-    if _runtime is not None or not torch.cuda.is_available():
+    if _runtime is not None or not CUDA.is_available():
         return _runtime
     torch.cuda.init()
     path = None
@@ -69,6 +68,17 @@ def _check(lib: ctypes.CDLL, code: int, call: str) -> None:
         raise RuntimeError(f"{call} failed: {lib.cudaGetErrorString(code).decode()}")
 
 
+class RankGroup(Protocol):
+    """What PeerBuffers asks of its tensor-parallel group (distributed.parallel's
+    TensorParallel is one)."""
+
+    rank: int
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def min_over_ranks(self, value: int) -> int: ...
+
+
 class PeerMapError(RuntimeError):
     """Some rank could not share or map a block; raised on every rank at the same point."""
 
@@ -78,7 +88,7 @@ class PeerBuffers:
     process addresses it. Collective: every rank constructs it with the same nbytes, and
     when any rank fails, all raise PeerMapError together (so all can go on without it)."""
 
-    def __init__(self, tp: TensorParallel, device: torch.device, nbytes: int) -> None:
+    def __init__(self, tp: RankGroup, device: torch.device, nbytes: int) -> None:
         lib = cuda_runtime()
         assert lib is not None, "PeerBuffers needs the CUDA runtime (see cuda_runtime)"
         self._lib, self._device = lib, device

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from nanopaged.platform import platform_of, synchronize
+
 # On CUDA, sums of up to this many bytes (every decode step's, small prefill chunks') go
 # through PeerAllReduce, larger ones through NCCL; NANOPAGED_PEER_ALL_REDUCE=0 sends all of
 # them through NCCL.
@@ -41,7 +43,11 @@ class TensorParallel:
         """Collective: sum small tensors through peer memory from now on, if every rank can
         (CUDA, peer access between every pair of GPUs, CUDA IPC); whether it is on."""
         # The environment is the same on every rank (workers inherit it): no collective yet.
-        if self.size == 1 or device.type != "cuda" or os.environ.get(PEER_ALL_REDUCE_ENV) == "0":
+        if (
+            self.size == 1
+            or not platform_of(device).gpu
+            or os.environ.get(PEER_ALL_REDUCE_ENV) == "0"
+        ):
             return False
         if self.min_over_ranks(int(PeerAllReduce.supported(self.size))):
             from nanopaged.distributed.cuda_ipc import PeerMapError
@@ -61,7 +67,7 @@ class TensorParallel:
         """Free the peer buffers (before leaving the process group), once this rank's kernels,
         and so every peer's reads of its buffer, are done."""
         if self.peer is not None:
-            torch.cuda.synchronize(self.peer.ptrs.device)
+            synchronize(self.peer.ptrs.device)
             self.peer.blocks.close()
             self.peer = None
 

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from nanopaged.distributed.parallel import TensorParallel
 from nanopaged.engine.step_inputs import StepInputs
+from nanopaged.platform import CUDA, Platform, platform_of
 
 # A collective that waits longer than this fails; generous, since one rank may be compiling
 # kernels or capturing CUDA graphs while another waits. A dead worker is noticed at once.
@@ -77,7 +78,8 @@ class TPWorkers:
         if method == "spawn":
             _check_main_module_guarded(reason)
         self.size = size
-        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.platform = platform_of(device)
+        self.backend = self.platform.dist_backend
         self.error: WorkerError | None = None
         self._failed = threading.Event()
         # _closed: no step may start; _step_open: a published step's collectives are not all
@@ -96,46 +98,12 @@ class TPWorkers:
             # On a collective error NCCL's watchdog would by default kill the whole process,
             # i.e. the caller's: only abort the communicator, so a WorkerError can be raised.
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        ctx = mp.get_context(method)
-        forked = method == "fork"
         self._store: dist.TCPStore | None = None
         self._monitor: threading.Thread | None = None
         self.procs: list[mp.Process] = []
         self.conns: list[Connection] = []
         try:
-            for rank in range(1, size):
-                ours, theirs = ctx.Pipe(duplex=True)
-                proc = ctx.Process(
-                    target=_worker_main,
-                    # A forked worker closes its copies of the earlier workers' pipe ends:
-                    # each worker must see EOF when rank 0 goes.
-                    args=(rank, size, self.backend, runner_kwargs, theirs, os.getpid(),
-                          forked, tuple(self.conns) if forked else ()),
-                    name=f"nanopaged-tp-rank{rank}",
-                    daemon=True,
-                )  # fmt: skip
-                proc.start()
-                theirs.close()
-                self.procs.append(proc)
-                self.conns.append(ours)
-            # Made once the workers exist, so that no forked worker holds a copy of its
-            # listening socket; they learn its port over their pipes.
-            self._store = dist.TCPStore(
-                "127.0.0.1", 0, size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
-                wait_for_workers=False,
-            )  # fmt: skip
-            for conn in self.conns:
-                try:
-                    conn.send(self._store.port)
-                except OSError:
-                    pass  # the worker is gone: _wait_ready says how
-            self._wait_ready()
-            global _groups_made
-            _groups_made = True
-            dist.init_process_group(
-                self.backend, store=self._store, rank=0, world_size=size,
-                timeout=COLLECTIVE_TIMEOUT,
-            )  # fmt: skip
+            self._start(method, runner_kwargs)
         except BaseException:
             self.shutdown(abort=True)
             raise
@@ -148,6 +116,45 @@ class TPWorkers:
         self._monitor.start()
 
     # ---- start-up and failure detection -------------------------------------------------
+    def _start(self, method: str, runner_kwargs: dict) -> None:
+        """Start ranks 1..size-1 with `method`, wait until each is ready, and join the process
+        group with them as rank 0."""
+        ctx = mp.get_context(method)
+        forked = method == "fork"
+        for rank in range(1, self.size):
+            ours, theirs = ctx.Pipe(duplex=True)
+            proc = ctx.Process(
+                target=_worker_main,
+                # A forked worker closes its copies of the earlier workers' pipe ends: each
+                # worker must see EOF when rank 0 goes.
+                args=(rank, self.size, self.platform, runner_kwargs, theirs, os.getpid(),
+                      forked, tuple(self.conns) if forked else ()),
+                name=f"nanopaged-tp-rank{rank}",
+                daemon=True,
+            )  # fmt: skip
+            proc.start()
+            theirs.close()
+            self.procs.append(proc)
+            self.conns.append(ours)
+        # Made once the workers exist, so that no forked worker holds a copy of its listening
+        # socket; they learn its port over their pipes.
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, self.size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
+            wait_for_workers=False,
+        )  # fmt: skip
+        for conn in self.conns:
+            try:
+                conn.send(self._store.port)
+            except OSError:
+                pass  # the worker is gone: _wait_ready says how
+        self._wait_ready()
+        global _groups_made
+        _groups_made = True
+        dist.init_process_group(
+            self.backend, store=self._store, rank=0, world_size=self.size,
+            timeout=COLLECTIVE_TIMEOUT,
+        )  # fmt: skip
+
     def _wait_ready(self) -> None:
         """Each worker says "ready" before joining the group; one that dies first is an error
         here, instead of a rendezvous that waits for it until a timeout."""
@@ -418,9 +425,9 @@ def worker_start_method() -> tuple[str, str]:
     if sys.platform != "linux":
         return "spawn", f"fork is not used on {sys.platform}"
     # Not only an initialised CUDA: once this process has asked the CUDA runtime anything
-    # (torch.cuda.is_available(), which device="auto" calls), a forked child cannot initialise
+    # (whether a device is available, as device="auto" does), a forked child cannot initialise
     # CUDA at all, and that cannot be seen from here. device_count() asks NVML, not CUDA.
-    if torch.cuda.device_count() > 0:
+    if CUDA.device_count() > 0:
         return "spawn", "this machine has CUDA devices, which a forked worker cannot use"
     if _groups_made:
         # A child forked after this process ran a gloo group (its threads, since stopped)
@@ -488,12 +495,13 @@ atexit.register(_shutdown_live_workers)
 
 def check_device_count(size: int, device: torch.device) -> None:
     """ValueError unless the machine has a device for every rank."""
-    if device.type == "cuda" and size > torch.cuda.device_count():
+    platform = platform_of(device)
+    count = platform.device_count()
+    if count is not None and size > count:
         raise ValueError(
-            f"tensor_parallel_size={size} needs {size} CUDA devices, this machine has "
-            f"{torch.cuda.device_count()}"
+            f"tensor_parallel_size={size} needs {size} CUDA devices, this machine has {count}"
         )
-    if device.type == "cuda" and device.index not in (None, 0):
+    if platform.gpu and device.index not in (None, 0):
         raise ValueError(
             f"with tensor_parallel_size > 1, rank r runs on cuda:r; pass device='cuda', "
             f"got {device}"
@@ -512,7 +520,7 @@ def _exit_with_parent(parent_pid: int) -> None:
 def _worker_main(
     rank: int,
     size: int,
-    backend: str,
+    platform: Platform,
     runner_kwargs: dict,
     conn: Connection,
     parent_pid: int,
@@ -524,7 +532,7 @@ def _worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     if not forked:
-        _run_worker(rank, size, backend, runner_kwargs, conn)
+        _run_worker(rank, size, platform, runner_kwargs, conn)
         return
     for other in inherited:
         other.close()
@@ -535,30 +543,26 @@ def _worker_main(
     # The work runs in a thread of its own: the forking thread's OpenMP pool (GNU libgomp)
     # lost its threads in the fork, and a parallel region started from that thread would
     # wait for them forever; a new thread starts a pool of its own.
-    work = threading.Thread(target=_run_worker, args=(rank, size, backend, runner_kwargs, conn),
+    work = threading.Thread(target=_run_worker, args=(rank, size, platform, runner_kwargs, conn),
                             name=f"nanopaged-tp-rank{rank}")  # fmt: skip
     work.start()
     work.join()
 
 
-def _run_worker(rank: int, size: int, backend: str, runner_kwargs: dict, conn: Connection) -> None:
+def _run_worker(
+    rank: int, size: int, platform: Platform, runner_kwargs: dict, conn: Connection
+) -> None:
     """Join the group, build this rank's runner and serve the driver's steps."""
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-            device = torch.device("cuda", rank)
-        else:
-            device = torch.device("cpu")
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        device = platform.bind_rank(rank, size)
         from nanopaged.engine.model_runner import ModelRunner
 
         conn.send(("ready", None))
         port = conn.recv()
         store = dist.TCPStore("127.0.0.1", port, size, is_master=False,
                               timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
-        )
+        dist.init_process_group(platform.dist_backend, store=store, rank=rank, world_size=size,
+                                timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
         tp = TensorParallel(rank, size, dist.group.WORLD)
         runner = ModelRunner(**runner_kwargs, device=device, tp=tp)
         _serve(runner, conn, rank)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from nanopaged.engine.block_manager import BlockManager
-from nanopaged.engine.group import BeamHypothesis, SequenceGroup
-from nanopaged.engine.sequence import Sequence, SequenceStatus
+from nanopaged.engine.sequence import BeamHypothesis, Sequence, SequenceGroup, SequenceStatus
 from nanopaged.sampling.output import SampleOutput
 
 

@@ -18,34 +18,27 @@ from pathlib import Path
 import torch
 import xxhash
 
-from nanopaged.config import (
-    EngineArgs,
-    EngineConfig,
-    ModelConfig,
-    parse_dtype,
-    resolve_kv_cache_dtype,
-)
+from nanopaged.config import EngineArgs, ModelConfig, parse_dtype, resolve_kv_cache_dtype
 from nanopaged.distributed.parallel import check_tp_shapes
 from nanopaged.distributed.workers import TPWorkers, check_device_count
 from nanopaged.engine.block_manager import BlockManager
-from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.model_runner import ModelRunner, kv_bytes_per_block
 from nanopaged.engine.output_processor import StopMatcher
 from nanopaged.engine.processor import InputProcessor, Request
 from nanopaged.engine.request_output import OutputBuilder, RunningRequest, reports_progress
 from nanopaged.engine.scheduler import ScheduledBatch, Scheduler
-from nanopaged.engine.sequence import Sequence
+from nanopaged.engine.sequence import Sequence, SequenceGroup
 from nanopaged.engine.startup import (
     check_engine_args,
     check_vllm_args,
     load_tokenizer,
-    resolve_device,
     resolve_model_dir,
 )
 from nanopaged.generation_config import load_sampling_defaults, resolve_generation_config
 from nanopaged.inputs import PromptInput
 from nanopaged.logits_processors import bad_words_token_ids
 from nanopaged.outputs import RequestOutput
+from nanopaged.platform import platform_of, resolve_device
 from nanopaged.sampling.output import NonFiniteLogitsError, StepHandle
 from nanopaged.sampling_params import BeamSearchParams, SamplingParams
 
@@ -77,6 +70,18 @@ class StepRates:
         )
 
 
+def _checked_tokenizer(tokenizer: object, model_dir: Path, tokenizer_mode: str):
+    """The tokenizer at `tokenizer` (a path), else the model directory's (None: it has none)."""
+    if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
+        raise TypeError(
+            f"tokenizer must be a path (str or os.PathLike) or None, "
+            f"got {type(tokenizer).__name__}"
+        )
+    return load_tokenizer(
+        Path(tokenizer) if tokenizer else model_dir, use_fast=tokenizer_mode == "auto"
+    )
+
+
 class LLMEngine:
     """One model, its KV cache, scheduler and tokenizer; runs the requests added to it.
 
@@ -89,38 +94,56 @@ class LLMEngine:
         check_engine_args(a.model, a.trust_remote_code, a.quantization)
         check_vllm_args(a.enable_chunked_prefill, a.tokenizer_mode, a.task, a.disable_log_stats)
         self.workers: TPWorkers | None = None
-        self.config = EngineConfig(
-            max_num_seqs=a.max_num_seqs,
-            max_num_batched_tokens=a.max_num_batched_tokens,
-            block_size=a.block_size,
-            enable_prefix_caching=a.enable_prefix_caching,
-            kv_cache_memory=a.kv_cache_memory,
-            gpu_memory_utilization=a.gpu_memory_utilization,
-            enforce_eager=a.enforce_eager,
-            seed=a.seed,
-            max_model_len=a.max_model_len,
-            preemption_mode=a.preemption_mode,
-            swap_space=a.swap_space,
-            async_scheduling=a.async_scheduling,
-            tensor_parallel_size=a.tensor_parallel_size,
-            load_format=a.load_format,
-            kv_cache_dtype=a.kv_cache_dtype,
-            calculate_kv_scales=a.calculate_kv_scales,
-            max_logprobs=a.max_logprobs,
+        self.config = a.create_engine_config()
+        sampling_defaults = self._resolve_model(a)
+        self.tokenizer = _checked_tokenizer(a.tokenizer, self.model_dir, a.tokenizer_mode)
+        self.eos_token_ids = self._eos_token_ids()
+        num_cpu_blocks = self._num_swap_blocks()
+        self.runner = self._start_runner(a, num_cpu_blocks)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, a.block_size, self.config.enable_prefix_caching,
+            num_cpu_blocks,
+        )  # fmt: skip
+        self.scheduler = Scheduler(
+            self.block_manager,
+            a.max_num_seqs,
+            a.max_num_batched_tokens,
+            self.max_model_len,
+            self.eos_token_ids,
+            self.config.preemption_mode,
         )
+        self.processor = InputProcessor(
+            self.tokenizer, self.model_dir, self.model_config, self.config, self.max_model_len,
+            self.eos_token_ids, self.block_manager, sampling_defaults,
+            self.platform.gpu,
+        )  # fmt: skip
+        self.output_builder = OutputBuilder(self.tokenizer)
+        self.stop_matcher = StopMatcher(self.tokenizer)
+        self.requests: dict[str, RunningRequest] = {}
+        self.rates = StepRates()
+        # A launched step planned before its predecessor's samples were known.
+        self._in_flight: tuple[ScheduledBatch, StepHandle] | None = None
+        self._num_steps = 0
+        self._num_request_ids = 0
+        self._num_drawn_seeds = 0
+
+    def _resolve_model(self, a: EngineArgs) -> dict:
+        """The device, the model's directory and config, the longest sequence and the dtypes
+        it runs and caches in, each checked before anything loads; returns the model's
+        SamplingParams defaults (its generation config)."""
         requested_dtype = parse_dtype(a.dtype)
         self.device = resolve_device(a.device)
+        self.platform = platform_of(self.device)
         # A dtype the device cannot hold is an error before anything loads.
         fp8_dtype = resolve_kv_cache_dtype(a.kv_cache_dtype, self.device)
         self.async_scheduling = (
-            self.device.type == "cuda" if a.async_scheduling is None else a.async_scheduling
+            self.platform.async_scheduling if a.async_scheduling is None else a.async_scheduling
         )
         # A GGUF converts into a cache entry holding the dtype the model will run in: the
-        # one asked for, else float32 on CPU (exact) and bfloat16 on CUDA, as "auto" picks
-        # for a float32 checkpoint below.
+        # one asked for, else what "auto" picks below for a float32 checkpoint.
         gguf_dtype = requested_dtype
         if gguf_dtype is None:
-            gguf_dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+            gguf_dtype = self.platform.default_dtype(torch.float32)
         self.model_dir = resolve_model_dir(a.model, gguf_dtype)
         self.model_config = ModelConfig.from_dir(self.model_dir, a.hf_overrides, a.quantization)
         gen_path = resolve_generation_config(a.generation_config, self.model_dir)
@@ -136,24 +159,15 @@ class LLMEngine:
                 f"got {a.max_model_len}"
             )
         self.max_model_len = a.max_model_len or limit
-        if requested_dtype is not None:
-            self.dtype = requested_dtype
-        elif self.device.type == "cpu":
-            self.dtype = torch.float32  # CPUs rarely have fast half-precision matmuls
-        else:
-            cfg_dtype = self.model_config.dtype
-            self.dtype = torch.bfloat16 if cfg_dtype == torch.float32 else cfg_dtype
+        self.dtype = requested_dtype
+        if self.dtype is None:
+            self.dtype = self.platform.default_dtype(self.model_config.dtype)
         self.kv_cache_dtype = self.dtype if fp8_dtype is None else fp8_dtype
-        if a.tokenizer is not None and not isinstance(a.tokenizer, (str, Path)):
-            raise TypeError(
-                f"tokenizer must be a path (str or os.PathLike) or None, "
-                f"got {type(a.tokenizer).__name__}"
-            )
-        self.tokenizer = load_tokenizer(
-            Path(a.tokenizer) if a.tokenizer else self.model_dir,
-            use_fast=a.tokenizer_mode == "auto",
-        )
-        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        return sampling_defaults
+
+    def _eos_token_ids(self) -> set[int]:
+        """The model's EOS ids and the tokenizer's, which must be a token of the model."""
+        eos_token_ids = set(self.model_config.eos_token_ids)
         tok_eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
         if tok_eos is not None:
             vocab = self.model_config.vocab_size
@@ -162,16 +176,26 @@ class LLMEngine:
                     f"the tokenizer's eos_token_id {tok_eos} is outside the model's vocabulary "
                     f"[0, {vocab}): the tokenizer does not belong to this model"
                 )
-            self.eos_token_ids.add(tok_eos)
-        num_cpu_blocks = 0
-        if self.config.preemption_mode == "swap":
-            per_block = kv_bytes_per_block(self.model_config, a.block_size, self.kv_cache_dtype)
-            num_cpu_blocks = int(self.config.swap_space * 2**30) // per_block
-            if num_cpu_blocks == 0:
-                raise ValueError(
-                    f"swap_space={a.swap_space} GiB holds no KV block ({per_block} bytes "
-                    "each); raise swap_space"
-                )
+            eos_token_ids.add(tok_eos)
+        return eos_token_ids
+
+    def _num_swap_blocks(self) -> int:
+        """The CPU swap pool's blocks (preemption_mode="swap"), 0 without one."""
+        if self.config.preemption_mode != "swap":
+            return 0
+        per_block = kv_bytes_per_block(self.model_config, self.config.block_size,
+                                       self.kv_cache_dtype)  # fmt: skip
+        num_cpu_blocks = int(self.config.swap_space * 2**30) // per_block
+        if num_cpu_blocks == 0:
+            raise ValueError(
+                f"swap_space={self.config.swap_space} GiB holds no KV block ({per_block} bytes "
+                "each); raise swap_space"
+            )
+        return num_cpu_blocks
+
+    def _start_runner(self, a: EngineArgs, num_cpu_blocks: int) -> ModelRunner:
+        """Rank 0's ModelRunner, with the tensor-parallel workers started first (they end with
+        this engine: on shutdown(), deletion or interpreter exit)."""
         runner_kwargs = dict(
             model_dir=self.model_dir,
             model_config=self.model_config,
@@ -188,50 +212,23 @@ class LLMEngine:
             check_tp_shapes(c.num_heads, c.num_kv_heads, c.intermediate_size,
                             a.tensor_parallel_size, moe if c.num_experts else None)  # fmt: skip
             check_device_count(a.tensor_parallel_size, self.device)
-            if self.device.type == "cuda":
-                self.device = torch.device("cuda", 0)  # rank r runs on cuda:r
+            self.device = self.platform.rank_device(0)
             self.workers = TPWorkers(a.tensor_parallel_size, self.device, runner_kwargs)
-            # Workers end with this engine: on shutdown(), deletion or interpreter exit.
             self._finalizer = weakref.finalize(self, self.workers.shutdown)
         try:
-            self.runner = ModelRunner(
+            runner = ModelRunner(
                 **runner_kwargs,
                 device=self.device,
                 tp=self.workers.tp if self.workers else None,
                 workers=self.workers,
             )
             if num_cpu_blocks:
-                self.runner.allocate_swap_space(num_cpu_blocks)
+                runner.allocate_swap_space(num_cpu_blocks)
         except BaseException:
             if self.workers is not None:
                 self.workers.shutdown(abort=True)  # they may wait in a collective for us
             raise
-        self.block_manager = BlockManager(
-            self.runner.num_blocks, a.block_size, self.config.enable_prefix_caching,
-            num_cpu_blocks,
-        )  # fmt: skip
-        self.scheduler = Scheduler(
-            self.block_manager,
-            a.max_num_seqs,
-            a.max_num_batched_tokens,
-            self.max_model_len,
-            self.eos_token_ids,
-            self.config.preemption_mode,
-        )
-        self.processor = InputProcessor(
-            self.tokenizer, self.model_dir, self.model_config, self.config, self.max_model_len,
-            self.eos_token_ids, self.block_manager, sampling_defaults,
-            self.device.type == "cuda",
-        )  # fmt: skip
-        self.output_builder = OutputBuilder(self.tokenizer)
-        self.stop_matcher = StopMatcher(self.tokenizer)
-        self.requests: dict[str, RunningRequest] = {}
-        self.rates = StepRates()
-        # A launched step planned before its predecessor's samples were known.
-        self._in_flight: tuple[ScheduledBatch, StepHandle] | None = None
-        self._num_steps = 0
-        self._num_request_ids = 0
-        self._num_drawn_seeds = 0
+        return runner
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -368,35 +365,27 @@ class LLMEngine:
         return self.async_scheduling and handle.plain and self.scheduler.can_look_ahead(batch)
 
     def _step(self) -> tuple[list[RunningRequest], list[RunningRequest]]:
-        if self._in_flight is None:
+        launched, self._in_flight = self._in_flight, None
+        if launched is None:
             if not self.scheduler.has_unfinished():
                 return [], []
-            batch = self.scheduler.schedule()
-            if not batch.seqs:
+            launched = self._launch()
+            if launched is None:
                 raise RuntimeError("the scheduler could not make progress")  # invariant
-            handle = self.runner.launch(batch, self.eos_token_ids)
-        else:
-            (batch, handle), self._in_flight = self._in_flight, None
+        batch, handle = launched
         # A decode row computes the last sampled token; prompts are prefill, however short.
         num_decode = sum(
             1
             for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)
             if n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == len(seq) - 1
         )
-        if self.may_run_ahead(batch, handle):
-            # Plan and launch the next step while this one runs on the device.
-            self.scheduler.advance(batch)
-            following = self.scheduler.schedule()
-            if following.seqs:
-                launched = self.runner.launch(following, self.eos_token_ids, prev=handle)
-                self._in_flight = (following, launched)
-            step = self.scheduler.commit(
-                batch, handle.result(), handle.logprobs(), handle.prompt_logprobs()
-            )
-        else:
-            step = self.scheduler.postprocess(
-                batch, handle.result(), handle.logprobs(), handle.prompt_logprobs()
-            )
+        ahead = self.may_run_ahead(batch, handle)
+        self.scheduler.advance(batch)
+        if ahead:  # plan and launch the next step while this one runs on the device
+            self._in_flight = self._launch(prev=handle)
+        step = self.scheduler.commit(
+            batch, handle.result(), handle.logprobs(), handle.prompt_logprobs()
+        )
         stopped = self._check_stop_strings(step.grown)
         self.rates.add(batch.total_tokens - num_decode, num_decode)
         # Two samples of one request can both stop here: each request once.
@@ -408,6 +397,22 @@ class LLMEngine:
         if not self.requests:
             self._drain()
         return grown, finished
+    def _launch(self, prev: StepHandle | None = None) -> tuple[ScheduledBatch, StepHandle] | None:
+        """Schedule a step and queue it on the device (None: nothing to run). prev: the step
+        launched before it, whose samples are still on the device."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return None
+        return batch, self.runner.launch(batch, self.eos_token_ids, prev=prev)
+
+
+    def _launch(self, prev: StepHandle | None = None) -> tuple[ScheduledBatch, StepHandle] | None:
+        """Schedule a step and queue it on the device (None: nothing to run). prev: the step
+        launched before it, whose samples are still on the device."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return None
+        return batch, self.runner.launch(batch, self.eos_token_ids, prev=prev)
 
     def _drain(self) -> None:
         """Wait out a step launched ahead whose sequences have all ended: its tokens are

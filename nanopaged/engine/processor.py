@@ -43,6 +43,59 @@ def text_parts_joined(conv: object) -> object:
     return out
 
 
+def checked_conversations(messages: object) -> list[list[dict]]:
+    """LLM.chat's messages as a list of conversations (one, or a list of them), each a
+    non-empty list of {'role', 'content'} dicts with str values (text parts joined)."""
+    if not isinstance(messages, SequenceABC) or isinstance(messages, str) or not messages:
+        raise TypeError(
+            "messages must be a non-empty list of {'role', 'content'} dicts, or a list of "
+            "such lists"
+        )
+    conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+    conversations = [text_parts_joined(conv) for conv in conversations]
+    for i, conv in enumerate(conversations):
+        if not isinstance(conv, SequenceABC) or not conv or not all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in conv
+        ):
+            raise TypeError(
+                f"conversation {i} must be a non-empty list of dicts with str 'role' and "
+                "'content'"
+            )
+    return conversations
+
+
+def check_chat_options(
+    chat_template: object,
+    add_generation_prompt: object,
+    continue_final_message: object,
+    chat_template_kwargs: object,
+) -> None:
+    """LLM.chat's template arguments: their types, and flags that do not contradict."""
+    flags = {
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+    }
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    if continue_final_message and add_generation_prompt:
+        raise ValueError(
+            "continue_final_message=True continues the last message, so it needs "
+            "add_generation_prompt=False"
+        )
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise TypeError(
+            f"chat_template must be a Jinja template str, got {type(chat_template).__name__}"
+        )
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise TypeError(
+            f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}"
+        )
+
+
 class InputProcessor:
     """Checks requests against one model and engine and turns their prompts into token ids."""
 
@@ -56,8 +109,9 @@ class InputProcessor:
         eos_token_ids: set[int],
         block_manager: BlockManager,
         sampling_defaults: dict,
-        on_cuda: bool,
+        gpu: bool,
     ) -> None:
+        """gpu: the engine runs on a GPU (its cache's size is then a share of its memory)."""
         self.tokenizer = tokenizer
         self.model_dir = model_dir
         self.model_config = model_config
@@ -66,7 +120,7 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.block_manager = block_manager
         self.sampling_defaults = sampling_defaults
-        self.on_cuda = on_cuda
+        self.gpu = gpu
 
     def default_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation_config.json defaults."""
@@ -106,45 +160,10 @@ class InputProcessor:
     ) -> list[Request]:
         """The checked requests of LLM.chat's arguments: one per conversation, its prompt the
         rendered template's text."""
-        if not isinstance(messages, SequenceABC) or isinstance(messages, str) or not messages:
-            raise TypeError(
-                "messages must be a non-empty list of {'role', 'content'} dicts, or a list of "
-                "such lists"
-            )
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        conversations = [text_parts_joined(conv) for conv in conversations]
-        for i, conv in enumerate(conversations):
-            if not isinstance(conv, SequenceABC) or not conv or not all(
-                isinstance(m, dict)
-                and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)
-                for m in conv
-            ):
-                raise TypeError(
-                    f"conversation {i} must be a non-empty list of dicts with str 'role' and "
-                    "'content'"
-                )
-        flags = {
-            "add_generation_prompt": add_generation_prompt,
-            "continue_final_message": continue_final_message,
-        }
-        for name, value in flags.items():
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-        if continue_final_message and add_generation_prompt:
-            raise ValueError(
-                "continue_final_message=True continues the last message, so it needs "
-                "add_generation_prompt=False"
-            )
-        if chat_template is not None and not isinstance(chat_template, str):
-            raise TypeError(
-                f"chat_template must be a Jinja template str, got {type(chat_template).__name__}"
-            )
-        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-            raise TypeError(
-                "chat_template_kwargs must be a dict, "
-                f"got {type(chat_template_kwargs).__name__}"
-            )
+        conversations = checked_conversations(messages)
+        check_chat_options(
+            chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs
+        )
         if self.tokenizer is None or not (
             chat_template or getattr(self.tokenizer, "chat_template", None)
         ):
@@ -152,25 +171,9 @@ class InputProcessor:
                 f"the tokenizer of {self.model_dir} has no chat template; pass chat_template="
             )
         params = self.normalize_params(sampling_params, len(conversations))
-        texts = []
-        for i, conv in enumerate(conversations):
-            for j, m in enumerate(conv):
-                check_unicode(m["content"], f"conversation {i} message {j} content")
-            if continue_final_message and conv[-1]["role"] != "assistant":
-                raise ValueError(
-                    f"conversation {i}: continue_final_message needs a final assistant message, "
-                    f"got role {conv[-1]['role']!r}"
-                )
-            texts.append(
-                self.tokenizer.apply_chat_template(
-                    conv,
-                    chat_template=chat_template,
-                    tokenize=False,
-                    add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message,
-                    **(chat_template_kwargs or {}),
-                )
-            )
+        options = (chat_template, add_generation_prompt, continue_final_message,
+                   chat_template_kwargs)  # fmt: skip
+        texts = [self.render(conv, i, *options) for i, conv in enumerate(conversations)]
         token_lists = [
             self.tokenize(
                 self.tokenizer.encode(t, add_special_tokens=False), i, p.truncate_prompt_tokens
@@ -180,6 +183,31 @@ class InputProcessor:
         params = self.fitted(token_lists, params)
         return [Request(t, ids, sp) for t, ids, sp in zip(texts, token_lists, params)]
 
+    def render(
+        self,
+        conv: list[dict],
+        index: int,
+        chat_template: str | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        chat_template_kwargs: dict | None,
+    ) -> str:
+        """Conversation `index`'s prompt text: its messages through the chat template."""
+        for j, m in enumerate(conv):
+            check_unicode(m["content"], f"conversation {index} message {j} content")
+        if continue_final_message and conv[-1]["role"] != "assistant":
+            raise ValueError(
+                f"conversation {index}: continue_final_message needs a final assistant message, "
+                f"got role {conv[-1]['role']!r}"
+            )
+        return self.tokenizer.apply_chat_template(
+            conv,
+            chat_template=chat_template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **(chat_template_kwargs or {}),
+        )
 
     def tokenize(
         self, prompt: PromptType, index: int, truncate_prompt_tokens: int | None = None
@@ -318,7 +346,7 @@ class InputProcessor:
         need = width * bm.num_blocks_for(min(prompt_len + max_tokens, self.max_model_len))
         if need > bm.num_blocks:
             knobs = "kv_cache_memory"
-            if self.on_cuda:
+            if self.gpu:
                 knobs += " or gpu_memory_utilization"
             raise ValueError(
                 f"prompts[{index}]: {what} may need {need} KV blocks, more than the cache's "

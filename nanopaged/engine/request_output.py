@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nanopaged.engine.group import SequenceGroup
-from nanopaged.engine.output_processor import decode_batch
-from nanopaged.engine.sequence import Sequence
+from nanopaged.engine.detokenizer import decode_batch
+from nanopaged.engine.sequence import Sequence, SequenceGroup
 from nanopaged.inputs import PromptType
 from nanopaged.outputs import CompletionOutput, LazyLogprobs, RequestOutput, TokenDecoder
 from nanopaged.sampling_params import RequestOutputKind, SamplingParams

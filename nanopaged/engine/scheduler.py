@@ -9,14 +9,11 @@ from typing import TYPE_CHECKING
 from nanopaged.config import PREEMPTION_MODES
 from nanopaged.engine.beam import beam_search_step, finalize_beams
 from nanopaged.engine.block_manager import BlockManager
-from nanopaged.engine.group import SequenceGroup
-from nanopaged.engine.sequence import Sequence, SequenceStatus
+from nanopaged.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from nanopaged.sampling.output import SampleOutput, StepLogprobs
 
 if TYPE_CHECKING:
     from nanopaged.sampling.prompt_logprobs import PromptLogprobRows
-
-# Stands for a sampled token that is still on the device (asynchronous scheduling).
 
 
 @dataclass
@@ -44,7 +41,8 @@ class ScheduledBatch:
         return sum(self.num_scheduled_tokens)
 
     def samples(self, i: int) -> bool:
-        """Whether seq i reaches its last token this step, so it gets a new token sampled."""
+        """Whether seq i reaches its last token this step, so it gets a new token sampled
+        (asked before the step is advanced)."""
         seq = self.seqs[i]
         return seq.num_computed_tokens + self.num_scheduled_tokens[i] == len(seq)
 
@@ -83,7 +81,7 @@ def decodes_first(batch: ScheduledBatch) -> None:
 
 @dataclass
 class StepOutput:
-    """What postprocess changed: sequences that got tokens, and those that finished."""
+    """What a commit changed: sequences that got tokens, and those that finished."""
 
     grown: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
@@ -122,7 +120,9 @@ class Scheduler:
         self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = 0
         self.num_swap_outs = 0
-        self.num_advanced_steps = 0  # steps whose successor was planned before their samples
+        self.num_advanced_steps = 0  # steps planned before their predecessor's samples
+        # The step advanced and not yet committed, if any (see advance).
+        self._advanced: ScheduledBatch | None = None
         self.num_steps = 0  # steps scheduled with work in them
 
     def add(self, item: Sequence | SequenceGroup) -> SequenceGroup:
@@ -191,9 +191,22 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's work; may preempt running groups to make room."""
-        bm = self.block_manager
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
+        budget, preempted = self._schedule_running(batch, self.max_num_batched_tokens)
+        budget = self._schedule_swapped(batch, budget, preempted)
+        if not preempted or not batch.seqs:
+            self._schedule_waiting(batch, budget)
+        self.num_advanced_steps += self._advanced is not None
+        self.num_steps += bool(batch.seqs)
+        if batch.total_tokens != len(batch.seqs):
+            decodes_first(batch)
+        batch.prompt_logprob_spans = prompt_logprob_spans(batch)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> tuple[int, bool]:
+        """Extend the running groups within budget, preempting the newest when blocks run out;
+        returns (the budget left, whether any group was preempted)."""
+        bm = self.block_manager
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -230,9 +243,13 @@ class Scheduler:
                 i += 1
                 continue
             break  # the group preempted itself: nothing newer is left to run
+        return budget, preempted
 
-        # Swapped-out groups come back before new ones are admitted, and only when nothing was
-        # preempted this step (or they would thrash), unless nothing runs at all.
+    def _schedule_swapped(self, batch: ScheduledBatch, budget: int, preempted: bool) -> int:
+        """Bring swapped-out groups back within budget; returns the budget left. They come back
+        before new ones are admitted, and only when nothing was preempted this step (or they
+        would thrash), unless nothing runs at all."""
+        bm = self.block_manager
         while (not preempted or not batch.seqs) and self.swapped and budget > 0:
             group = self.swapped[0]
             if not self._has_room(group):
@@ -261,9 +278,12 @@ class Scheduler:
                     batch.seqs.append(seq)
                     batch.num_scheduled_tokens.append(n)
                     budget -= n
+        return budget
 
-        admit = not preempted or not batch.seqs
-        while admit and not self.swapped and self.waiting and budget > 0:
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        """Admit waiting groups in order while budget, room and blocks last (none while a
+        swapped-out group waits to come back)."""
+        while not self.swapped and self.waiting and budget > 0:
             group = self.waiting[0]
             if not self._has_room(group):
                 break
@@ -273,11 +293,6 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(group)
             budget -= num_tokens
-        self.num_steps += bool(batch.seqs)
-        if batch.total_tokens != len(batch.seqs):
-            decodes_first(batch)
-        batch.prompt_logprob_spans = prompt_logprob_spans(batch)
-        return batch
 
     def _admit(self, group: SequenceGroup, budget: int, batch: ScheduledBatch) -> int | None:
         """Allocate blocks for every waiting sequence of group (all or none) and schedule them;
@@ -310,74 +325,10 @@ class Scheduler:
             hits = hits[: len(seq.prompt_logprobs) // bm.block_size]
         return hits
 
-    def postprocess(
-        self,
-        batch: ScheduledBatch,
-        sampled: list[int] | list[SampleOutput],
-        logprobs: StepLogprobs | None = None,
-        prompt_logprobs: PromptLogprobRows | None = None,
-    ) -> StepOutput:
-        """Record scored prompt positions, advance computed counts, append sampled tokens
-        (forking and stepping beams), finish sequences.
-
-        `sampled` holds, in batch order, a token id or a SampleOutput for each sequence of the
-        batch that samples; `logprobs`, beside plain token ids, the rows' raw logprobs;
-        `prompt_logprobs`, the step's prompt rows' (its prompt_logprob_spans).
-        """
-        bm = self.block_manager
-        step = StepOutput()
-        _record_prompt_logprobs(batch, prompt_logprobs)  # before a fork copies them
-        row = 0  # of sampled (and logprobs): the next sampling sequence's
-        beam_results: dict[int, list[tuple[Sequence, SampleOutput]]] = {}
-        for i, seq in enumerate(batch.seqs):
-            samples = batch.samples(i)
-            if seq.is_finished:  # ended while this step was in flight: drop its sample
-                row += samples
-                continue
-            seq.num_computed_tokens += batch.num_scheduled_tokens[i]
-            bm.cache_full_blocks(seq)
-            if not samples:
-                continue
-            out = sampled[row]
-            row += 1
-            if not isinstance(out, SampleOutput):  # a plain token id
-                seq.token_ids.append(out)
-                if logprobs is not None:
-                    _append_logprobs(seq, logprobs, row - 1)
-                step.grown.append(seq)
-                self._finish_if_stopped(seq, step)
-                continue
-            group = seq.group
-            if group is not None and group.is_beam_search:
-                beam_results.setdefault(id(group), []).append((seq, out))
-                continue
-            grown = [seq]
-            if len(out.token_ids) > 1:
-                grown = self._fork_samples(seq, out)
-            else:
-                _append(seq, out, 0)
-            for s in grown:
-                step.grown.append(s)
-                self._finish_if_stopped(s, step)
-        for results in beam_results.values():
-            group = results[0][0].group
-            live = beam_search_step(group, results, self.eos_token_ids, bm)
-            step.grown.extend(live)
-            head = live[0] if live else None
-            if (
-                head is None
-                or head.num_output_tokens >= group.beam_params.max_tokens
-                or len(head) >= self.max_model_len
-            ):
-                step.finished.extend(live)
-                finalize_beams(group, bm)
-                self.running.remove(group)
-                step.finished_groups.append(group)
-        return step
-
-    # ---- asynchronous scheduling: plan step N+1 while step N's samples are on the device ----
+    # ---- a launched step: advance it (the next may then be planned), commit its samples ----
     def can_look_ahead(self, batch: ScheduledBatch) -> bool:
-        """Whether the step after `batch` can be scheduled before its samples are known.
+        """Whether the step after `batch` can be scheduled before its samples are known (asked
+        before `batch` is advanced).
 
         Only plain steps qualify: every running sequence is in the batch and samples one token
         (no beam, no parent about to fork), nothing is swapped out, and the free blocks cover
@@ -401,14 +352,17 @@ class Scheduler:
         return live == self.num_running_seqs and need <= bm.num_free_blocks
 
     def advance(self, batch: ScheduledBatch) -> None:
-        """Account for a launched step whose samples are still on the device: each sampling
-        sequence notes its row of them (pending_row), resolved by `commit`."""
+        """Account for a launched step before its samples are read: its computed tokens and
+        full blocks, and each sampling sequence's row of the samples (pending_row, whose token
+        counts in len() from now on), resolved by `commit`. The next step may be scheduled in
+        between (asynchronous scheduling: see can_look_ahead)."""
+        assert self._advanced is None, "each advanced step is committed before the next"
+        self._advanced = batch
         bm = self.block_manager
-        self.num_advanced_steps += 1
         row = 0
         for i, seq in enumerate(batch.seqs):
             samples = batch.samples(i)
-            if seq.is_finished:  # ended while this step was in flight
+            if seq.is_finished:  # ended while this step was in flight: its row is dropped
                 row += samples
                 continue
             seq.num_computed_tokens += batch.num_scheduled_tokens[i]
@@ -420,26 +374,89 @@ class Scheduler:
     def commit(
         self,
         batch: ScheduledBatch,
-        sampled: list[int],
+        sampled: list[int] | list[SampleOutput],
         logprobs: StepLogprobs | None = None,
         prompt_logprobs: PromptLogprobRows | None = None,
     ) -> StepOutput:
-        """Record an advanced step's scored prompt positions and append its sampled tokens
-        (and their logprobs) to the sequences waiting for them; finish sequences that stop. A
-        sequence that finished while the step was in flight was never given a row: its token
-        is dropped."""
+        """Record the advanced step's scored prompt positions and give each sequence waiting
+        for a sample its token (forking samples and stepping beams); finish sequences that stop.
+
+        `sampled` holds, in row order, a token id or a SampleOutput for each sequence of the
+        batch that samples; `logprobs`, beside plain token ids, the rows' raw logprobs;
+        `prompt_logprobs`, the step's prompt rows' (its prompt_logprob_spans). A sequence that
+        finished while the step was in flight was given no row: its sample is dropped.
+        """
+        assert batch is self._advanced, "commit takes the step advance was given"
+        self._advanced = None
         step = StepOutput()
-        _record_prompt_logprobs(batch, prompt_logprobs)
+        _record_prompt_logprobs(batch, prompt_logprobs)  # before a fork copies them
+        beam_results: dict[int, list[tuple[Sequence, SampleOutput]]] = {}
         for seq in batch.seqs:
-            if seq.pending_row is None:
+            row = seq.pending_row
+            if row is None:
                 continue
-            row, seq.pending_row = seq.pending_row, None
-            seq.token_ids.append(sampled[row])
-            if logprobs is not None:
-                _append_logprobs(seq, logprobs, row)
-            step.grown.append(seq)
-            self._finish_if_stopped(seq, step)
+            seq.pending_row = None
+            out = sampled[row]
+            if not isinstance(out, SampleOutput):  # a plain token id
+                seq.token_ids.append(out)
+                if logprobs is not None:
+                    _append_logprobs(seq, logprobs, row)
+                step.grown.append(seq)
+                self._finish_if_stopped(seq, step)
+                continue
+            group = seq.group
+            if group is not None and group.is_beam_search:
+                beam_results.setdefault(id(group), []).append((seq, out))
+                continue
+            grown = [seq]
+            if len(out.token_ids) > 1:
+                grown = self._fork_samples(seq, out)
+            else:
+                _append(seq, out, 0)
+            for s in grown:
+                step.grown.append(s)
+                self._finish_if_stopped(s, step)
+        for results in beam_results.values():
+            self._step_beams(results, step)
         return step
+    def _step_beams(
+        self, results: list[tuple[Sequence, SampleOutput]], step: StepOutput
+    ) -> None:
+        """One beam search step of a group from its live beams' samples."""
+        group = results[0][0].group
+        bm = self.block_manager
+        live = beam_search_step(group, results, self.eos_token_ids, bm)
+        step.grown.extend(live)
+        head = live[0] if live else None
+        if (
+            head is None
+            or head.num_output_tokens >= group.beam_params.max_tokens
+            or len(head) >= self.max_model_len
+        ):
+            step.finished.extend(live)
+            finalize_beams(group, bm)
+            self.running.remove(group)
+            step.finished_groups.append(group)
+
+
+    def _step_beams(
+        self, results: list[tuple[Sequence, SampleOutput]], step: StepOutput
+    ) -> None:
+        """One beam search step of a group from its live beams' samples."""
+        group = results[0][0].group
+        bm = self.block_manager
+        live = beam_search_step(group, results, self.eos_token_ids, bm)
+        step.grown.extend(live)
+        head = live[0] if live else None
+        if (
+            head is None
+            or head.num_output_tokens >= group.beam_params.max_tokens
+            or len(head) >= self.max_model_len
+        ):
+            step.finished.extend(live)
+            finalize_beams(group, bm)
+            self.running.remove(group)
+            step.finished_groups.append(group)
 
     def _finish_if_stopped(self, seq: Sequence, step: StepOutput) -> None:
         reason = self._stop_reason(seq, seq.token_ids[-1])
@@ -504,7 +521,9 @@ class Scheduler:
                 queue.remove(group)
 
     def abort_all(self) -> list[SequenceGroup]:
+        self._advanced = None
         """Drop every queued, running and swapped group, freeing their blocks."""
+        self._advanced = None
         dropped = list(self.running) + list(self.swapped) + list(self.waiting)
         for group in dropped:
             self.abort(group)

@@ -1,5 +1,5 @@
 """What an engine is built from, resolved and checked before anything loads: the model path,
-the device, the engine arguments vLLM scripts pass, the tokenizer."""
+the engine arguments vLLM scripts pass, the tokenizer (the device: platform.resolve_device)."""
 
 from __future__ import annotations
 
@@ -63,26 +63,6 @@ def check_vllm_args(
             f"disable_log_stats must be a bool, got {type(disable_log_stats).__name__} "
             "(nanopaged logs no periodic stats either way)"
         )
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """"auto": CUDA when available, else the CPU; a device that does not exist is an error."""
-    if isinstance(device, str) and device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from e
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but no CUDA device is available")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(
-            f"device {device!r} does not exist: this machine has "
-            f"{torch.cuda.device_count()} CUDA device(s)"
-        )
-    return dev
 
 
 def load_tokenizer(path: Path, use_fast: bool = True):

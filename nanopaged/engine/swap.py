@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from nanopaged.kernels.copy_blocks import copy_blocks, copy_blocks_ref
+from nanopaged.platform import HostCopy, platform_of, to_device
 
 
 class CpuBlockPool:
@@ -42,7 +43,7 @@ class CpuBlockPool:
 
 
 def allocate_cpu_kv_cache(kv_cache: torch.Tensor, num_blocks: int) -> torch.Tensor | None:
-    """A host tensor shaped like kv_cache with num_blocks blocks; pinned when kv_cache is on CUDA.
+    """A host tensor shaped like kv_cache with num_blocks blocks; pinned when kv_cache is on a GPU.
 
     kv_cache: [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim].
     """
@@ -51,7 +52,7 @@ def allocate_cpu_kv_cache(kv_cache: torch.Tensor, num_blocks: int) -> torch.Tens
     shape = list(kv_cache.shape)
     shape[2] = num_blocks
     return torch.empty(
-        shape, dtype=kv_cache.dtype, device="cpu", pin_memory=kv_cache.is_cuda
+        shape, dtype=kv_cache.dtype, device="cpu", pin_memory=platform_of(kv_cache.device).gpu
     )
 
 
@@ -72,12 +73,10 @@ def swap_blocks(
     # blocks: [2, num_layers, len(pairs), block_size, num_kv_heads, head_dim]
     blocks = src_cache.index_select(2, src)
     if blocks.device != dst_cache.device:
-        # Device -> host lands in pageable memory; host -> device goes through a pinned copy
+        # Device -> host waits for that copy only; host -> device goes through a pinned copy,
         # so it need not block the host.
-        if blocks.is_cuda or not dst_cache.is_cuda:
-            blocks = blocks.to(dst_cache.device)
-        else:
-            blocks = blocks.pin_memory().to(dst_cache.device, non_blocking=True)
+        [blocks] = HostCopy([blocks]).result()
+        blocks = to_device(blocks, dst_cache.device)
     dst_cache.index_copy_(2, dst, blocks)
 
 
@@ -111,8 +110,8 @@ def copy_block_pairs(kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> No
     n = len(pairs)
     ids = torch.zeros(2, n + n % 2, dtype=torch.long)
     ids[:, :n] = torch.tensor(pairs, dtype=torch.long).T
-    ids = ids.to(kv_cache.device, non_blocking=True)
-    if kv_cache.is_cuda:
+    ids = to_device(ids, kv_cache.device)
+    if platform_of(kv_cache.device).gpu:
         copy_blocks(kv_cache, ids[0, :n], ids[1, :n])
     else:
         copy_blocks_ref(kv_cache, ids[0, :n], ids[1, :n])

@@ -1,5 +1,5 @@
 """Presence, frequency and repetition penalties applied in place to rows of fp32 logits, from
-per-sequence token counts kept on the device (engine/penalty_counts.py), in one pass.
+per-sequence token counts kept on the device (sampling/penalties.py), in one pass.
 
 vLLM's arithmetic, per token t of a row (rep, freq, pres: the row's penalties; c: t's count in
 the output; seen: t in the prompt or the output):

@@ -158,21 +158,19 @@ def _inject(llm: LLM, monkeypatch, where: str, k: int, exc: type[BaseException])
     elif where == "take_block":  # inside allocate/append_slots, half done
         wrapper = _fail_on_call(k, exc, llm.block_manager._take_free_block)
         monkeypatch.setattr(llm.block_manager, "_take_free_block", wrapper)
-    elif where == "postprocess":  # tokens appended, blocks cached, some sequences finished
-        # A step's samples are applied by postprocess, or by commit for a step that ran
-        # ahead (asynchronous scheduling): the k-th of either fails.
+    elif where == "commit":  # tokens appended, blocks cached, some sequences finished
+        # Every step's samples are applied by commit, whether or not the next step ran ahead.
         calls = [0]
-        for name in ("postprocess", "commit"):
-            real = getattr(llm.scheduler, name)
+        real = llm.scheduler.commit
 
-            def applied(*args, _real=real, **kwargs):
-                calls[0] += 1
-                out = _real(*args, **kwargs)
-                if calls[0] == k:
-                    raise exc("injected")
-                return out
+        def applied(*args, **kwargs):
+            calls[0] += 1
+            out = real(*args, **kwargs)
+            if calls[0] == k:
+                raise exc("injected")
+            return out
 
-            monkeypatch.setattr(llm.scheduler, name, applied)
+        monkeypatch.setattr(llm.scheduler, "commit", applied)
         return calls
     elif where == "stop_strings":
         wrapper = _fail_on_call(k, exc, llm.tokenizer.decode)
@@ -196,8 +194,8 @@ def _inject(llm: LLM, monkeypatch, where: str, k: int, exc: type[BaseException])
         ("take_block", 4),  # these three land inside allocate, with part of a table taken
         ("take_block", 13),
         ("take_block", 27),
-        ("postprocess", 4),
-        ("postprocess", 11),
+        ("commit", 4),
+        ("commit", 11),
         ("stop_strings", 3),
     ],
 )
@@ -218,7 +216,7 @@ def test_fault_inside_a_step(model_dir, expected, monkeypatch, where, k, exc):
     [dict(preemption_mode="swap", swap_space=0.01), dict(async_scheduling=True)],
     ids=["swap", "async"],
 )
-@pytest.mark.parametrize("where, k", [("sampler", 7), ("forward", 10), ("postprocess", 6)])
+@pytest.mark.parametrize("where, k", [("sampler", 7), ("forward", 10), ("commit", 6)])
 def test_fault_with_swap_or_async_scheduling(model_dir, expected, monkeypatch, engine, where, k):
     llm = _llm(model_dir, **engine)
     assert _results(llm) == expected

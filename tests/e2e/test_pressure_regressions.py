@@ -51,8 +51,7 @@ def test_swap_resumes_a_group_that_needs_the_whole_pool(llama):
 def test_swapped_group_falls_back_to_recompute_when_it_cannot_come_back(llama):
     """With nothing running, a swapped-out group that does not fit the free pool is recomputed
     instead of stalling the engine."""
-    from nanopaged.engine.group import SequenceGroup
-    from nanopaged.engine.sequence import Sequence, SequenceStatus
+    from nanopaged.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
     llm = LLM(str(llama), block_size=8, max_model_len=32, kv_cache_memory=1 << 20,
               preemption_mode="swap")  # fmt: skip
@@ -62,7 +61,8 @@ def test_swapped_group_falls_back_to_recompute_when_it_cannot_come_back(llama):
     sched.add(group)
     batch = sched.schedule()
     assert batch.seqs == [seq]
-    sched.postprocess(batch, [7])
+    sched.advance(batch)
+    sched.commit(batch, [7])
     sched.running.remove(group)
     sched._preempt(group, batch)  # swapped out
     assert seq.status == SequenceStatus.SWAPPED

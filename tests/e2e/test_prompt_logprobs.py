@@ -18,8 +18,8 @@ from tiny_models import make_tiny_model
 
 import nanopaged.engine.model_runner as model_runner
 from nanopaged import LLM, SamplingParams
-from nanopaged.sampling import prompt_logprobs
 from nanopaged.engine.step_inputs import StepInputs
+from nanopaged.sampling import prompt_logprobs
 
 LENGTHS = (1, 2, 9, 40, 100)
 

@@ -12,8 +12,7 @@ import torch
 from tiny_models import make_tiny_model
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.engine.group import SequenceGroup
-from nanopaged.engine.sequence import Sequence
+from nanopaged.engine.sequence import Sequence, SequenceGroup
 from nanopaged.engine.step_inputs import StepInputs
 from nanopaged.sampling.ops import (
     SAMPLER_PATHS,

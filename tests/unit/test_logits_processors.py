@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from nanopaged.engine.group import SequenceGroup
-from nanopaged.engine.sequence import Sequence
+from nanopaged.engine.sequence import Sequence, SequenceGroup
 from nanopaged.logits_processors import apply_logit_controls
 from nanopaged.sampling.host import sample_sequences
 from nanopaged.sampling.rows import StepRows

@@ -8,11 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from nanopaged.engine.output_processor import (
-    IncrementalDetokenizer,
-    decode_batch,
-    find_stop_strings,
-)
+from nanopaged.engine.detokenizer import IncrementalDetokenizer, decode_batch
+from nanopaged.engine.output_processor import find_stop_strings
 from nanopaged.engine.sequence import Sequence
 from nanopaged.sampling_params import SamplingParams
 

@@ -24,7 +24,8 @@ def _seq(n, start=0, **params) -> Sequence:
 def _step(s: Scheduler, token: int = 1):
     batch = s.schedule()
     sampled = [token for i in range(len(batch)) if batch.samples(i)]
-    s.postprocess(batch, sampled)
+    s.advance(batch)
+    s.commit(batch, sampled)
     return batch
 
 
@@ -94,12 +95,14 @@ def test_stop_conditions():
     for q in (eos, ignore, min_tok, stop_id):
         s.add(q)
     batch = s.schedule()
-    s.postprocess(batch, [EOS, EOS, EOS, EOS + 1])
+    s.advance(batch)
+    s.commit(batch, [EOS, EOS, EOS, EOS + 1])
     assert eos.finish_reason == "stop" and eos.stop_reason is None
     assert stop_id.finish_reason == "stop" and stop_id.stop_reason == EOS + 1
     assert not ignore.is_finished and not min_tok.is_finished
     batch = s.schedule()
-    s.postprocess(batch, [EOS, EOS])
+    s.advance(batch)
+    s.commit(batch, [EOS, EOS])
     assert ignore.finish_reason == "length" and ignore.output_token_ids == [EOS, EOS]
     assert min_tok.finish_reason == "stop"
     assert not s.has_unfinished()

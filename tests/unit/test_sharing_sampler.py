@@ -8,8 +8,7 @@ import math
 import pytest
 import torch
 
-from nanopaged.engine.group import SequenceGroup
-from nanopaged.engine.sequence import Sequence
+from nanopaged.engine.sequence import Sequence, SequenceGroup
 from nanopaged.kernels.penalties import apply_penalties
 from nanopaged.sampling.host import sample_sequences
 from nanopaged.sampling.penalties import penalize

@@ -8,9 +8,8 @@ import itertools
 import pytest
 
 from nanopaged.engine.block_manager import BlockManager
-from nanopaged.engine.group import SequenceGroup
 from nanopaged.engine.scheduler import Scheduler
-from nanopaged.engine.sequence import Sequence, SequenceStatus
+from nanopaged.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from nanopaged.sampling.output import SampleOutput
 from nanopaged.sampling_params import BeamSearchParams, SamplingParams
 
@@ -49,7 +48,9 @@ def _run(s: Scheduler) -> list:
         batch = s.schedule()
         assert batch.seqs
         batches.append(batch)
-        s.postprocess(batch, _fake_outputs(batch))
+        outs = _fake_outputs(batch)
+        s.advance(batch)
+        s.commit(batch, outs)
     return batches
 
 
@@ -59,7 +60,8 @@ def test_n_forks_after_the_prompt_and_copies_its_partial_block():
     s.add(g)
     batch = s.schedule()
     assert batch.seqs == g.seqs and batch.num_scheduled_tokens == [10]
-    step = s.postprocess(batch, [SampleOutput([7, 8, 9])])
+    s.advance(batch)
+    step = s.commit(batch, [SampleOutput([7, 8, 9])])
     assert len(g.seqs) == 3 and [q.index for q in g.seqs] == [0, 1, 2]
     assert [q.output_token_ids for q in g.seqs] == [[7], [8], [9]] and step.grown == g.seqs
     prompt_blocks = list(g.seqs[0].block_table)
@@ -70,7 +72,8 @@ def test_n_forks_after_the_prompt_and_copies_its_partial_block():
     # The partial third block is copied for two of the three samples; full blocks stay shared.
     assert [src for src, _ in batch.blocks_to_copy] == [prompt_blocks[2]] * 2
     assert s.block_manager.num_shared_blocks == 2
-    s.postprocess(batch, [1, 2, 3])
+    s.advance(batch)
+    s.commit(batch, [1, 2, 3])
     _run(s)
     assert all(q.num_output_tokens == 6 for q in g.seqs)
     assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
@@ -93,7 +96,9 @@ def test_groups_are_preempted_and_resumed_whole(mode):
             assert statuses == {SequenceStatus.WAITING if mode == "recompute" else
                                 SequenceStatus.SWAPPED}  # fmt: skip
             saw_preempted_group |= g.forked
-        s.postprocess(batch, _fake_outputs(batch))
+        outs = _fake_outputs(batch)
+        s.advance(batch)
+        s.commit(batch, outs)
     assert s.num_preemptions > 0 and saw_preempted_group
     if mode == "swap":
         assert s.num_swap_outs > 0
@@ -129,7 +134,8 @@ def test_beams_fork_share_and_free():
     bm = s.block_manager
     batch = s.schedule()
     # The prompt offers 4 candidates; EOS goes aside, the best two live on.
-    s.postprocess(batch, [SampleOutput([5, EOS, 6, 7], [-0.1, -0.2, -0.3, -0.4])])
+    s.advance(batch)
+    s.commit(batch, [SampleOutput([5, EOS, 6, 7], [-0.1, -0.2, -0.3, -0.4])])
     assert [q.output_token_ids for q in g.seqs] == [[5], [6]]
     assert [h.token_ids for h in g.completed_beams] == [[EOS]]
     assert g.seqs[0].block_table == g.seqs[1].block_table and bm.num_shared_blocks == 2
@@ -137,7 +143,8 @@ def test_beams_fork_share_and_free():
     assert len(batch.blocks_to_copy) == 1  # the shared partial block, for one of the two
     first, second = batch.seqs
     # Both survivors descend from the first beam: the second beam dies, the first forks.
-    s.postprocess(
+    s.advance(batch)
+    s.commit(
         batch,
         [SampleOutput([1, 2, 3, 4], [-0.5, -0.6, -5, -6]),
          SampleOutput([1, 2, 3, 4], [-3, -4, -5, -6])],  # fmt: skip
@@ -146,7 +153,8 @@ def test_beams_fork_share_and_free():
     assert [q.output_token_ids for q in g.seqs] == [[5, 1], [5, 2]]
     assert g.seqs[0] is first and g.seqs[1].seq_id not in (first.seq_id, second.seq_id)
     batch = s.schedule()
-    s.postprocess(batch, [SampleOutput([8, 9], [-1.0, -2.0]), SampleOutput([8, 9], [-1.0, -2.0])])
+    s.advance(batch)
+    s.commit(batch, [SampleOutput([8, 9], [-1.0, -2.0]), SampleOutput([8, 9], [-1.0, -2.0])])
     assert g.is_finished and not s.has_unfinished()
     assert len(g.completed_beams) == 2
     # Ranked by cumulative logprob / (prompt + output length); the early EOS (length 6) wins.

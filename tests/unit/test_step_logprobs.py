@@ -109,19 +109,20 @@ def _seq(n: int, start: int = 0, **params) -> Sequence:
     return Sequence(list(range(start, start + n)), SamplingParams(**params))
 
 
-def _step(s: Scheduler, rng: random.Random, k: int, asynchronous: bool = False):
-    """Schedule, sample random rows with logprobs and hand them to the scheduler (through
-    advance and commit where the engine would run ahead); returns the handle and the batch's
-    sampling sequences, in row order."""
-    batch = s.schedule()
+def _step(s: Scheduler, rng: random.Random, k: int, asynchronous: bool = False, planned=None):
+    """Take `planned` (else schedule a step), sample random rows with logprobs and hand them to
+    the scheduler; asynchronous: schedule the next step between advance and commit where the
+    engine would. Returns the handle, each row's sequence (None for a row dropped because its
+    sequence ended first) and the step planned ahead, if any."""
+    batch = planned or s.schedule()
     sampling = [q for i, q in enumerate(batch.seqs) if batch.samples(i)]
     handle = _random_step(rng, [q.sampling_params.logprobs for q in sampling], k)
-    if asynchronous and s.can_look_ahead(batch):
-        s.advance(batch)
-        s.commit(batch, handle.result(), handle.logprobs())
-    else:
-        s.postprocess(batch, handle.result(), handle.logprobs())
-    return handle, sampling
+    ahead = asynchronous and s.can_look_ahead(batch)
+    s.advance(batch)
+    sampling = [q if q.pending_row is not None else None for q in sampling]
+    following = s.schedule() if ahead else None
+    s.commit(batch, handle.result(), handle.logprobs())
+    return handle, sampling, following
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
@@ -140,18 +141,19 @@ def test_sequences_keep_row_references_through_preemption(asynchronous):
     refs: dict[int, list] = {q.seq_id: [] for q in (a, b, c)}
     raw: dict[int, list] = {q.seq_id: [] for q in (a, b, c)}
     sums = {q.seq_id: 0.0 for q in (a, b, c)}
-    preempted_with = None
+    preempted_with, planned = None, None
     while s.has_unfinished():
-        handle, sampling = _step(s, rng, 3, asynchronous)
+        handle, sampling, planned = _step(s, rng, 3, asynchronous, planned)
         step, eager = handle.logprobs(), _eager_rows(handle)
         for r, q in enumerate(sampling):
-            if eager[r] is not None:
+            if q is not None and eager[r] is not None:
                 refs[q.seq_id].append((step, r))
                 raw[q.seq_id].append(eager[r][1:])
                 sums[q.seq_id] += eager[r][0]
         if b.status == SequenceStatus.WAITING and b.num_preemptions and preempted_with is None:
             preempted_with = list(b.logprobs)
     assert s.num_preemptions > 0 and preempted_with  # b was preempted with logprobs in hand
+    assert (s.num_advanced_steps > 0) == asynchronous
     assert b.logprobs[: len(preempted_with)] == preempted_with
     for q in (a, b):
         assert q.num_output_tokens == 8 and len(q.logprobs) == 8
@@ -164,8 +166,8 @@ def test_sequences_keep_row_references_through_preemption(asynchronous):
 
 
 def test_a_sequence_finished_in_flight_drops_its_row():
-    """postprocess skips the row of a sequence that ended while its step ran: the rows after it
-    still reach their own sequences."""
+    """A sequence that ended while its step ran gets no row of it: the rows after its row still
+    reach their own sequences."""
     rng = random.Random("finished")
     s = _sched()
     seqs = [_seq(3, start=10 * i, logprobs=1) for i in range(3)]
@@ -175,7 +177,8 @@ def test_a_sequence_finished_in_flight_drops_its_row():
     batch = s.schedule()
     s.finish(seqs[1], "stop")
     handle = _random_step(rng, [1, 1, 1], 2)
-    s.postprocess(batch, handle.result(), handle.logprobs())
+    s.advance(batch)
+    s.commit(batch, handle.result(), handle.logprobs())
     step = handle.logprobs()
     assert seqs[0].logprobs[-1] == (step, 0) and seqs[2].logprobs[-1] == (step, 2)
     assert len(seqs[1].logprobs) == 1
