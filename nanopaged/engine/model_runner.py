@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from nanopaged.attention import Attention, AttentionMetadata, attention_backend
 from nanopaged.config import EngineConfig, ModelConfig
 from nanopaged.distributed.parallel import TensorParallel, local_kv_heads
 from nanopaged.distributed.sharded_sampling import can_shard, sample_shards, settings_array
@@ -45,11 +46,7 @@ from nanopaged.engine.scheduler import ScheduledBatch
 from nanopaged.engine.sequence import Sequence
 from nanopaged.engine.step_inputs import StepInputs
 from nanopaged.engine.swap import allocate_cpu_kv_cache, copy_block_pairs, run_block_ops
-from nanopaged.kernels.paged_decode import longest_first
-from nanopaged.kernels.store_kv import channel_major, is_fp8
-from nanopaged.layers.attention import Attention, AttentionMetadata
-from nanopaged.layers.backend import backend_for, bind_backend
-from nanopaged.layers.cpu_gemm import pack_model
+from nanopaged.kernels.store_kv import is_fp8
 from nanopaged.layers.sampler import SAMPLER_PATHS, SamplingTensors, sample, with_path
 from nanopaged.loader import load_dummy_weights, load_weights
 from nanopaged.models import build_model
@@ -250,10 +247,9 @@ class ModelRunner:
             load_weights(self.model, model_dir)
         self.model.eval()
         # Triton kernels on CUDA; on CPU the torch references, or C kernels for bf16: chosen
-        # here, once.
-        self.backend = backend_for(device, dtype)
-        bind_backend(self.model, self.backend)
-        pack_model(self.model)  # CPU bf16 only: oneDNN-packed GEMM weights
+        # here, once, and bound to every layer (CPU bf16: GEMM weights packed for oneDNN).
+        self.backend = attention_backend(device, dtype)
+        self.backend.bind(self.model)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # kv_scales: [2, num_layers] fp32, K and V scale of each layer (an fp8 cache holds
         # x / scale). 1.0 unless the checkpoint has its own (model.checkpoint_kv_scales) or
@@ -316,6 +312,7 @@ class ModelRunner:
                 device,
                 # One GPU: the LM head and the sampler inside the graphs too.
                 lm_head=self.model.compute_logits if self.tp.size == 1 else None,
+                backend=self.backend,
             )
             self.graphs.capture()
         if device.type == "cuda" and self.tp.rank == 0:
@@ -347,9 +344,7 @@ class ModelRunner:
         block_size, num_kv_heads, head_dim], contiguous). An 8-bit V is kept channel-major
         (store_kv.channel_major), the order the decode kernel reads it in; block copies and
         swaps move whole blocks, so they do not depend on it."""
-        for i, layer in enumerate(self.attention_layers):
-            layer.k_cache = cache[0, i]
-            layer.v_cache = channel_major(cache[1, i]) if is_fp8(cache.dtype) else cache[1, i]
+        self.backend.bind_kv(self.attention_layers, cache)
 
     def zero_blocks(self, block_ids: list[int]) -> None:
         """Zero these KV blocks on every rank: after NaN logits their K/V may be NaN, and a
@@ -531,38 +526,8 @@ class ModelRunner:
     def _device_metadata(
         self, host: dict[str, np.ndarray]
     ) -> tuple[torch.Tensor, AttentionMetadata]:
-        dev = self.device
-
-        def put(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(dev, non_blocking=True)
-
-        cu = host["cu_seqlens_q"]
-        q_lens = cu[1:] - cu[:-1]
-        context_lens = host["context_lens"]
-        max_seqlen_q = int(q_lens.max())
-        # A mixed step's leading decode rows (the scheduler puts them first) go to the decode
-        # kernel; the prefill kernel takes the rest with its own cu_seqlens.
-        nd = int(np.argmax(q_lens != 1)) if max_seqlen_q > 1 else 0
-        cu_prefill = put(cu[nd:] - cu[nd]) if nd else None
-        decodes = len(q_lens) if max_seqlen_q == 1 else nd
-        # Every decode launch passes an order, one row's too: the decode graphs compiled the
-        # kernel's ordered variants, and an unordered one would compile inside a running
-        # generate (a mixed step with one decode row did, on a fresh Triton cache).
-        order = None
-        if self.backend.triton and decodes > 0:
-            order = put(longest_first(context_lens[:decodes]))
-        return put(host["positions"]), AttentionMetadata(
-            slot_mapping=put(host["slots"]),
-            block_tables=put(host["tables"]),
-            context_lens=put(context_lens),
-            cu_seqlens_q=put(cu),
-            max_seqlen_q=max_seqlen_q,
-            max_context_len=int(context_lens.max()),
-            has_prefix=bool((context_lens[nd:] != q_lens[nd:]).any()),
-            num_decodes=nd,
-            cu_seqlens_prefill=cu_prefill,
-            decode_order=order,
-        )
+        """The step's positions and metadata on the device, as the backend prepares them."""
+        return self.backend.prepare_metadata(host, self.device)
 
     def _sampling_tensors(
         self, seqs: list[Sequence], into: SlotSettings | None = None
