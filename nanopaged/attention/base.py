@@ -41,8 +41,8 @@ class DecodeGraphInputs(Protocol):
         read nothing)."""
 
 
-def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array copied to device without a blocking call."""
+def host_to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on device, copied with non_blocking=True."""
     return torch.from_numpy(a).to(device, non_blocking=True)
 
 
@@ -111,11 +111,11 @@ class AttentionBackend(ABC):
         """The step's positions and the AttentionMetadata fields every backend fills alike."""
         cu = host["cu_seqlens_q"]
         context_lens = host["context_lens"]
-        return to_device(host["positions"], device), dict(
-            slot_mapping=to_device(host["slots"], device),
-            block_tables=to_device(host["tables"], device),
-            context_lens=to_device(context_lens, device),
-            cu_seqlens_q=to_device(cu, device),
+        return host_to_device(host["positions"], device), dict(
+            slot_mapping=host_to_device(host["slots"], device),
+            block_tables=host_to_device(host["tables"], device),
+            context_lens=host_to_device(context_lens, device),
+            cu_seqlens_q=host_to_device(cu, device),
             max_seqlen_q=int((cu[1:] - cu[:-1]).max()),
             max_context_len=int(context_lens.max()),
         )

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from nanopaged.attention.base import AttentionBackend, HostArrays, to_device
+from nanopaged.attention.base import AttentionBackend, HostArrays, host_to_device
 from nanopaged.attention.layer import Attention
 from nanopaged.attention.metadata import AttentionMetadata
 from nanopaged.kernels import paged_decode, paged_prefill, store_kv
@@ -60,14 +60,14 @@ class TritonAttention(AttentionBackend):
         # A mixed step's leading decode rows (the scheduler puts them first) go to the decode
         # kernel; the prefill kernel takes the rest with its own cu_seqlens.
         nd = int(np.argmax(q_lens != 1)) if max_seqlen_q > 1 else 0
-        cu_prefill = to_device(cu[nd:] - cu[nd], device) if nd else None
+        cu_prefill = host_to_device(cu[nd:] - cu[nd], device) if nd else None
         decodes = len(q_lens) if max_seqlen_q == 1 else nd
         # Every decode launch passes an order, one row's too: the decode graphs compiled the
         # kernel's ordered variants, and an unordered one would compile inside a running
         # generate (a mixed step with one decode row did, on a fresh Triton cache).
         order = None
         if decodes > 0:
-            order = to_device(paged_decode.longest_first(context_lens[:decodes]), device)
+            order = host_to_device(paged_decode.longest_first(context_lens[:decodes]), device)
         return positions, TritonMetadata(
             **shared,
             has_prefix=bool((context_lens[nd:] != q_lens[nd:]).any()),
