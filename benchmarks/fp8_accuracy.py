@@ -49,14 +49,22 @@ def teacher_forced(llm: LLM, sequences: list[list[int]]) -> tuple[list[int], lis
 
 
 def teacher_forced_hooked(llm: LLM, sequences: list[list[int]], make_hook):
-    """teacher_forced with make_hook(i) as a forward pre-hook on attention layer i."""
+    """teacher_forced with make_hook(i): (k, v) -> (k, v) applied to attention layer i's
+    rotated K/V before they are stored (the torch backend's attend: a CPU run)."""
+    backend = llm.runner.backend
     layers = llm.runner.attention_layers
-    handles = [m.register_forward_pre_hook(make_hook(i)) for i, m in enumerate(layers)]
+    hooks = [make_hook(i) for i in range(len(layers))]
+    attend = backend.attend
+
+    def hooked(layer, q, k, v, meta, *rest):
+        k, v = hooks[layers.index(layer)](k, v)
+        return attend(layer, q, k, v, meta, *rest)
+
+    backend.attend = hooked
     try:
         return teacher_forced(llm, sequences)
     finally:
-        for h in handles:
-            h.remove()
+        del backend.attend
 
 
 def rounded_kv(llm: LLM, dtype: torch.dtype, sequences: list[list[int]],
@@ -66,11 +74,10 @@ def rounded_kv(llm: LLM, dtype: torch.dtype, sequences: list[list[int]],
     8-bit K/V cost)."""
 
     def make_hook(i: int):
-        def round_kv(module, args):
-            q, k, v, meta = args
+        def round_kv(k, v):
             if layers is not None and i not in layers:
-                return None
-            return q, k.to(dtype).to(k.dtype), v.to(dtype).to(v.dtype), meta
+                return k, v
+            return k.to(dtype).to(k.dtype), v.to(dtype).to(v.dtype)
 
         return round_kv
 

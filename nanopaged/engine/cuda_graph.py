@@ -11,9 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nanopaged.kernels.paged_decode import longest_first
-from nanopaged.layers.attention import AttentionMetadata
-from nanopaged.layers.backend import graph_gemms
+from nanopaged.attention import AttentionBackend, AttentionMetadata
 from nanopaged.sampling.ops import (
     SAMPLER_PATHS,
     SamplingTensors,
@@ -35,8 +33,8 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """Static input buffers plus one captured forward per bucket; a step pads up to a bucket.
 
-    The block-table buffer is as wide as max_model_len needs, so no step can overflow it, and
-    padded rows get slot -1 and context 0: they store nothing and read nothing.
+    The attention backend gives the attention inputs (decode_graph_inputs): buffers wide
+    enough for any step up to max_model_len, padded rows storing and reading nothing.
 
     With lm_head (hidden [rows, hidden_size] -> logits [rows, vocab]), each bucket also holds
     one captured sampler per path of SAMPLER_PATHS: hidden -> logits -> token ids and each
@@ -55,21 +53,18 @@ class DecodeGraphs:
         dtype: torch.dtype,
         device: torch.device,
         lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        *,
+        backend: AttentionBackend,
     ) -> None:
         self.model = model
+        self.backend = backend
         self.lm_head = lm_head
-        self.max_model_len = max_model_len
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         max_bs = self.batch_sizes[-1]
         max_blocks = -(-max_model_len // block_size)
         self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_bs, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=device)
-        self.context_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
-        self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
-        # The decode kernel's launch order: longest context first, then the padding rows.
-        self.decode_order = torch.arange(max_bs, dtype=torch.int32, device=device)
+        self.attn_inputs = backend.decode_graph_inputs(max_bs, max_blocks, max_model_len, device)
         self.hidden = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.slots = SlotSettings(max_bs, device)
@@ -81,22 +76,14 @@ class DecodeGraphs:
         self.sampled_steps: Counter[str] = Counter()  # per sampler path: steps sampled here
 
     def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs],
-            block_tables=self.block_tables[:bs],
-            context_lens=self.context_lens[:bs],
-            cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
-            max_seqlen_q=1,
-            max_context_len=self.max_model_len,
-            decode_order=self.decode_order[:bs],
-        )
+        return self.attn_inputs.metadata(bs)
 
     @torch.inference_mode()
     def capture(self) -> None:
         pool = None
         for bs in reversed(self.batch_sizes):
             args = (self.input_ids[:bs], self.positions[:bs], self._meta(bs))
-            with graph_gemms():  # small GEMMs: the skinny kernel, in graphs only
+            with self.backend.graph_capture():  # e.g. small GEMMs: the skinny kernel
                 self.hidden[:bs] = self.model(*args)  # compiles kernels outside the capture
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
@@ -149,7 +136,6 @@ class DecodeGraphs:
         """
         bs = len(input_ids)
         bucket = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
-        width = tables.shape[1]
         if pending is not None and pending[0] is None:
             self.input_ids[:bs].copy_(pending[1])
         else:
@@ -157,15 +143,7 @@ class DecodeGraphs:
             if pending is not None:
                 self.input_ids.index_copy_(0, *pending)
         self.positions[:bs].copy_(torch.from_numpy(positions), non_blocking=True)
-        self.slot_mapping[:bs].copy_(torch.from_numpy(slots), non_blocking=True)
-        self.context_lens[:bs].copy_(torch.from_numpy(context_lens), non_blocking=True)
-        self.block_tables[:bs, :width].copy_(torch.from_numpy(tables), non_blocking=True)
-        order = longest_first(context_lens)
-        if bucket > bs:
-            self.slot_mapping[bs:bucket].fill_(-1)
-            self.context_lens[bs:bucket].fill_(0)
-            order = np.concatenate([order, np.arange(bs, bucket, dtype=np.int32)])
-        self.decode_order[:bucket].copy_(torch.from_numpy(order), non_blocking=True)
+        self.attn_inputs.fill(slots, tables, context_lens, bucket)
         self.graphs[bucket].replay()
         if sampling is None:
             return self.hidden[:bs]

@@ -18,8 +18,8 @@ from nanopaged.sampling.ops import sample, with_path
 from nanopaged.sampling.prompt_logprobs import PROFILE_TOPK, rows_per_chunk, score_prompt_rows
 
 if TYPE_CHECKING:
+    from nanopaged.attention import Attention
     from nanopaged.engine.model_runner import ModelRunner
-    from nanopaged.layers.attention import Attention
 
 # KV budget on CPU when kv_cache_memory is not given.
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30

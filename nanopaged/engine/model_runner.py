@@ -11,6 +11,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from nanopaged.attention import Attention, AttentionMetadata, attention_backend
 from nanopaged.config import EngineConfig, ModelConfig
 from nanopaged.distributed.parallel import TensorParallel, local_kv_heads
 from nanopaged.engine.block_tables import BlockTableBuilder
@@ -28,11 +29,7 @@ from nanopaged.engine.scheduler import ScheduledBatch
 from nanopaged.engine.sequence import Sequence
 from nanopaged.engine.step_inputs import StepInputs, build_step_inputs, is_arange, pending_ids
 from nanopaged.engine.swap import allocate_cpu_kv_cache, copy_block_pairs, run_block_ops
-from nanopaged.kernels.paged_decode import longest_first
-from nanopaged.kernels.store_kv import channel_major, is_fp8
-from nanopaged.layers.attention import Attention, AttentionMetadata
-from nanopaged.layers.backend import backend_for, bind_backend
-from nanopaged.layers.cpu_gemm import pack_model
+from nanopaged.kernels.store_kv import is_fp8
 from nanopaged.loader import load_dummy_weights, load_weights
 from nanopaged.models import build_model
 from nanopaged.models.llama import checkpoint_shapes
@@ -141,10 +138,9 @@ class ModelRunner:
             load_weights(self.model, model_dir)
         self.model.eval()
         # Triton kernels on CUDA; on CPU the torch references, or C kernels for bf16: chosen
-        # here, once.
-        self.backend = backend_for(self.device, self.dtype)
-        bind_backend(self.model, self.backend)
-        pack_model(self.model)  # CPU bf16 only: oneDNN-packed GEMM weights
+        # here, once, and bound to every layer (CPU bf16: GEMM weights packed for oneDNN).
+        self.backend = attention_backend(self.device, self.dtype)
+        self.backend.bind(self.model)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # An 8-bit cache's scales and first-pass peaks (kv_cache.kv_scales). first_kv_pass:
         # what the first forward pass over it does before storing (see execute): "calculate"
@@ -168,6 +164,7 @@ class ModelRunner:
                 self.model_config.hidden_size, self.dtype, self.device,
                 # One GPU: the LM head and the sampler inside the graphs too.
                 lm_head=self.model.compute_logits if self.tp.size == 1 else None,
+                backend=self.backend,
             )  # fmt: skip
             self.graphs.capture()
         if self.tp.rank == 0:
@@ -192,9 +189,7 @@ class ModelRunner:
         block_size, num_kv_heads, head_dim], contiguous). An 8-bit V is kept channel-major
         (store_kv.channel_major), the order the decode kernel reads it in; block copies and
         swaps move whole blocks, so they do not depend on it."""
-        for i, layer in enumerate(self.attention_layers):
-            layer.k_cache = cache[0, i]
-            layer.v_cache = channel_major(cache[1, i]) if is_fp8(cache.dtype) else cache[1, i]
+        self.backend.bind_kv(self.attention_layers, cache)
 
     def zero_blocks(self, block_ids: list[int]) -> None:
         """Zero these KV blocks on every rank: after NaN logits their K/V may be NaN, and a
@@ -264,38 +259,8 @@ class ModelRunner:
     def _device_metadata(
         self, host: dict[str, np.ndarray]
     ) -> tuple[torch.Tensor, AttentionMetadata]:
-        dev = self.device
-
-        def put(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(dev, non_blocking=True)
-
-        cu = host["cu_seqlens_q"]
-        q_lens = cu[1:] - cu[:-1]
-        context_lens = host["context_lens"]
-        max_seqlen_q = int(q_lens.max())
-        # A mixed step's leading decode rows (the scheduler puts them first) go to the decode
-        # kernel; the prefill kernel takes the rest with its own cu_seqlens.
-        nd = int(np.argmax(q_lens != 1)) if max_seqlen_q > 1 else 0
-        cu_prefill = put(cu[nd:] - cu[nd]) if nd else None
-        decodes = len(q_lens) if max_seqlen_q == 1 else nd
-        # Every decode launch passes an order, one row's too: the decode graphs compiled the
-        # kernel's ordered variants, and an unordered one would compile inside a running
-        # generate (a mixed step with one decode row did, on a fresh Triton cache).
-        order = None
-        if self.backend.triton and decodes > 0:
-            order = put(longest_first(context_lens[:decodes]))
-        return put(host["positions"]), AttentionMetadata(
-            slot_mapping=put(host["slots"]),
-            block_tables=put(host["tables"]),
-            context_lens=put(context_lens),
-            cu_seqlens_q=put(cu),
-            max_seqlen_q=max_seqlen_q,
-            max_context_len=int(context_lens.max()),
-            has_prefix=bool((context_lens[nd:] != q_lens[nd:]).any()),
-            num_decodes=nd,
-            cu_seqlens_prefill=cu_prefill,
-            decode_order=order,
-        )
+        """The step's positions and metadata on the device, as the backend prepares them."""
+        return self.backend.prepare_metadata(host, self.device)
 
     def _graph_decode(self, step: StepInputs) -> bool:
         """Whether the step's forward replays a decode graph: one token per sequence, in a

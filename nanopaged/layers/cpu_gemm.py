@@ -25,13 +25,9 @@ def native_bf16() -> bool:
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether weight is a CPU bf16 matrix this CPU multiplies natively in bf16."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and weight.dim() == 2
-        and native_bf16()
-    )
+    """Whether weight is a bf16 matrix this CPU multiplies natively in bf16 (the caller knows
+    it lies in CPU memory)."""
+    return weight.dtype == torch.bfloat16 and weight.dim() == 2 and native_bf16()
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -53,7 +49,8 @@ def linear(
 
 def pack_model(model: nn.Module) -> int:
     """Give every module with a `packed_weight` slot a packed copy of its weight, where
-    can_pack allows; returns how many were packed. Call after the weights are loaded."""
+    can_pack allows; returns how many were packed. Call after the weights are loaded, for a
+    model on the CPU (TorchAttention.bind with pack_weights)."""
     count = 0
     for module in model.modules():
         if hasattr(module, "packed_weight") and can_pack(module.weight):

@@ -7,9 +7,8 @@ import math
 import torch
 from torch import nn
 
-from nanopaged.kernels.rotary import KVStore, apply_rotary, qk_norm_rotary, rotary_tables_ref
+from nanopaged.kernels.rotary import rotary_tables_ref
 from nanopaged.layers.backend import UsesBackend
-from nanopaged.layers.norm import RMSNorm
 
 
 def _inv_freq(head_dim: int, base: float) -> torch.Tensor:
@@ -33,7 +32,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(UsesBackend, nn.Module):
-    """Applies RoPE to q and k at given positions from a precomputed cos/sin table."""
+    """Applies RoPE to q and k at given positions from a precomputed cos/sin table (the
+    Triton attention backend rotates with fused kernels over the same tables instead)."""
 
     def __init__(
         self, head_dim: int, max_position: int, base: float, scaling: dict | None = None
@@ -54,17 +54,8 @@ class RotaryEmbedding(UsesBackend, nn.Module):
         self._last_cos_sin: tuple | None = None
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        store: KVStore | None = None,
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # store (Triton only, see Attention.rotary_store): the kernel also writes K/V into the
-        # cache.
-        if self.backend.triton:
-            return apply_rotary(q, k, self.cos, self.sin, positions, store)
-        assert store is None, "only the Triton rotary kernel stores K/V"
         cos, sin = self._tables(positions, q.dtype)
         # qk: [num_tokens, num_heads + num_kv_heads, head_dim]; on CPU each op's dispatch is a
         # visible share of a decode step, so q and k rotate together (the same math per element).
@@ -86,25 +77,6 @@ class RotaryEmbedding(UsesBackend, nn.Module):
             cos, sin = rotary_tables_ref(self.cos, self.sin, positions, dtype)
             last = self._last_cos_sin = (positions.clone(), cos, sin)
         return last[1], last[2]
-
-    def forward_with_qk_norm(
-        self,
-        positions: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        q_norm: RMSNorm,
-        k_norm: RMSNorm,
-        store: KVStore | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head q_norm/k_norm then RoPE; one fused kernel on CUDA (Qwen3)."""
-        # q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim]
-        fusable = q_norm.eps == k_norm.eps and q_norm.weight.dtype == k_norm.weight.dtype == q.dtype
-        if self.backend.triton and fusable:
-            return qk_norm_rotary(
-                q, k, q_norm.weight, k_norm.weight, q_norm.eps, self.cos, self.sin, positions,
-                store,
-            )  # fmt: skip
-        return self(positions, q_norm(q), k_norm(k), store)
 
 
 def _joined_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

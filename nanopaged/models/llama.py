@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanopaged.attention import Attention, AttentionMetadata
 from nanopaged.config import ModelConfig
 from nanopaged.distributed.parallel import TensorParallel
 from nanopaged.layers.activation import SiluAndMul
-from nanopaged.layers.attention import Attention, AttentionMetadata
 from nanopaged.layers.embedding import LMHead, VocabEmbedding
 from nanopaged.layers.linear import (
     SINGLE,
@@ -71,23 +71,9 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        fused_decode = self.attn.backend.rotary_decode
-        if meta.is_decode and fused_decode is not None:
-            # CPU bf16: rotary, the KV store and decode attention in one C call.
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            out = fused_decode(self.attn, self.rotary, positions, q, k, v, meta)
-        else:
-            # Triton: the rotary kernel also stores K/V into a cache of the model's dtype.
-            store = self.attn.rotary_store(v, meta)
-            if self.q_norm is not None:
-                # Triton: one kernel for both per-head norms and the rotation.
-                q, k = self.rotary.forward_with_qk_norm(
-                    positions, q, k, self.q_norm, self.k_norm, store
-                )
-            else:
-                q, k = self.rotary(positions, q, k, store)
-            out = self.attn(q, k, v, meta, stored=store is not None)
+        # Rotary (after Qwen3's per-head q/k norms), the K/V store and attention: which of them
+        # run fused is the attention backend's business.
+        out = self.attn(positions, q, k, v, meta, self.rotary, self.q_norm, self.k_norm)
         # out: [num_tokens, num_heads, head_dim] -> [num_tokens, hidden_size] (this rank's part)
         return self.o_proj(out.reshape(-1, self.q_size))
 

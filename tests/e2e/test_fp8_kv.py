@@ -230,21 +230,24 @@ def test_calculated_kv_scales(llama, tmp_path):
     llm = LLM(str(llama), **common)
     assert llm.runner.kv_scales.tolist() == [[1.0] * 2] * 2  # nothing ran yet
     amax = torch.zeros(2, 2)
+    layers = llm.runner.attention_layers
 
     def record(i):
-        def hook(module, args):
-            _, k, v, meta = args
+        first_pass = layers[i].first_kv_pass
+
+        def spy(k, v, meta):  # the rotated K/V, before they are stored
             if meta.first_kv_pass == "calculate":
                 amax[0, i] = k.abs().max()
                 amax[1, i] = v.abs().max()
+            first_pass(k, v, meta)
 
-        return hook
+        return spy
 
-    handles = [m.register_forward_pre_hook(record(i))
-               for i, m in enumerate(llm.runner.attention_layers)]  # fmt: skip
+    for i, layer in enumerate(layers):
+        layer.first_kv_pass = record(i)
     expected = _scored(llm)
-    for h in handles:
-        h.remove()
+    for layer in layers:
+        del layer.first_kv_pass
     scales = llm.runner.kv_scales.clone()
     assert (amax > 0).all()
     assert torch.allclose(scales, amax * 2 / 448, rtol=1e-6, atol=0)

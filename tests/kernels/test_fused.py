@@ -264,6 +264,7 @@ def test_launchers_capture_in_cuda_graph():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_layers_gpu(dtype):
     """The layers' Triton backend (kernels) against their torch backend on the same data."""
+    from nanopaged.attention import TorchAttention, TritonAttention
     from nanopaged.layers.activation import SiluAndMul
     from nanopaged.layers.backend import TORCH, TRITON, bind_backend
     from nanopaged.layers.norm import RMSNorm
@@ -295,11 +296,13 @@ def test_layers_gpu(dtype):
     _, q, k = packed_qk(300, 16, 8, 128, dtype, seed=11)
     q, k = q.cpu(), k.cpu()
     positions = torch.randperm(MAX_POSITION)[:300]
-    expected = rope.forward_with_qk_norm(positions, q, k, q_norm, k_norm)
-    expected += rope(positions, q, k)
+    # The attention backends' rotations: the layers' (TorchAttention) against the kernels'.
+    expected = TorchAttention.rotate(positions, q, k, rope, q_norm, k_norm)
+    expected += TorchAttention.rotate(positions, q, k, rope)
     on_gpu(rope, q_norm, k_norm)
     q, k, positions = q.cuda(), k.cuda(), positions.cuda()
-    got = rope.forward_with_qk_norm(positions, q, k, q_norm, k_norm) + rope(positions, q, k)
+    got = TritonAttention.rotate(positions, q, k, rope, q_norm, k_norm)
+    got += TritonAttention.rotate(positions, q, k, rope)
     for out, ref in zip(got, expected):
         # CPU and GPU torch sum in different orders: the norm's rstd may differ by an ulp.
         assert_matches(out.cpu(), ref, ulps=4, floor=ref.float().abs().max().item())

@@ -8,9 +8,9 @@ import torch
 from kernel_inputs import DEVICE, assert_close, step_slots
 from test_paged_prefill import make_inputs
 
+from nanopaged.attention.triton import TritonMetadata, paged_attention
 from nanopaged.kernels import paged_decode
 from nanopaged.kernels.paged_prefill import paged_prefill_ref
-from nanopaged.layers.attention import AttentionMetadata, gpu_attention
 
 f32, f16 = torch.float32, torch.float16
 
@@ -28,7 +28,7 @@ def metadata(inputs, spec, num_decodes):
     q_lens = [q_len for _, q_len in spec]
     assert all(n == 1 for n in q_lens[:num_decodes])
     cu_prefill = (cu[num_decodes:] - cu[num_decodes]).contiguous() if num_decodes else None
-    return AttentionMetadata(
+    return TritonMetadata(
         slot_mapping=torch.full((q.shape[0],), -1, device=DEVICE),
         block_tables=block_tables, context_lens=context_lens, cu_seqlens_q=cu,
         max_seqlen_q=max(q_lens), max_context_len=int(context_lens.max()),
@@ -55,7 +55,7 @@ def test_mixed_step(dtype, group, num_kv_heads, num_decodes, monkeypatch):
         return decode(q, *args, **kwargs)
 
     monkeypatch.setattr(paged_decode, "paged_decode", spy)
-    out = gpu_attention(q, k, v, k_cache, v_cache, meta, 0.1)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.1)
     assert decode_batches == ([num_decodes] if num_decodes else [])
     assert_close(out, paged_prefill_ref(*inputs, 0.1), dtype)
 
@@ -67,5 +67,5 @@ def test_mixed_step_no_prefix_after_decodes():
     k, v = step_kv(inputs, spec)
     meta = metadata(inputs, spec, 2)
     assert not meta.has_prefix
-    out = gpu_attention(*inputs[:1], k, v, *inputs[1:3], meta, 0.1)
+    out = paged_attention(*inputs[:1], k, v, *inputs[1:3], meta, 0.1)
     assert_close(out, paged_prefill_ref(*inputs, 0.1), f32)

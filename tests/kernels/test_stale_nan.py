@@ -13,10 +13,10 @@ import torch
 from kernel_inputs import DEVICE, assert_close, step_slots
 from test_mixed_step import metadata
 
+from nanopaged.attention.triton import paged_attention
 from nanopaged.kernels.paged_decode import paged_decode, paged_decode_launch, paged_decode_ref
 from nanopaged.kernels.paged_prefill import paged_prefill, paged_prefill_launch, paged_prefill_ref
 from nanopaged.kernels.store_kv import channel_major, is_fp8
-from nanopaged.layers.attention import gpu_attention
 
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -257,11 +257,11 @@ def test_prefill_fp8(kv_dtype, dtype, fill, block_size, group):
 
 
 def mixed_outputs(step: Step, num_decodes: int) -> dict[str, torch.Tensor]:
-    """One mixed step through gpu_attention (decode rows split off when num_decodes > 0), and
+    """One mixed step through paged_attention (decode rows split off when num_decodes > 0), and
     the prefill reference over all of it."""
     inputs = (*step.paged(), step.cu_seqlens_q, step.context_lens)
     meta = metadata(inputs, MIXED_SPEC, num_decodes)
-    out = gpu_attention(step.q, step.k_new, step.v_new, step.k_cache, step.v_cache, meta, SCALE,
+    out = paged_attention(step.q, step.k_new, step.v_new, step.k_cache, step.v_cache, meta, SCALE,
                         **step.scales())  # fmt: skip
     return {"kernel": out, "ref": paged_prefill_ref(*inputs, SCALE, **step.scales())}
 

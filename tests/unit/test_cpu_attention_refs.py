@@ -90,13 +90,14 @@ def test_store_kv_ref_skips_negative_slots():
 
 @pytest.mark.parametrize("slots", [[3, -1, 9], [3, 4, 9]])
 def test_attention_layer_records_skipped_slots_for_the_step(slots):
-    from nanopaged.layers.attention import Attention, AttentionMetadata
+    from nanopaged.attention import Attention, TorchAttention, TorchMetadata
 
+    backend = TorchAttention()
     layers = [Attention(num_heads=2, head_dim=4, num_kv_heads=1, scale=0.5) for _ in range(2)]
     for layer in layers:
         layer.k_cache = torch.zeros(2, BLOCK_SIZE, 1, 4)
         layer.v_cache = torch.zeros(2, BLOCK_SIZE, 1, 4)
-    meta = AttentionMetadata(
+    meta = TorchMetadata(
         slot_mapping=torch.tensor(slots),
         block_tables=torch.tensor([[0, 1]] * 3, dtype=torch.int32),
         context_lens=torch.tensor([4, 1, 10], dtype=torch.int32),
@@ -104,8 +105,10 @@ def test_attention_layer_records_skipped_slots_for_the_step(slots):
         max_context_len=10,
     )  # fmt: skip
     key = torch.arange(1.0, 13.0).view(3, 1, 4)
-    for layer in layers:  # the second layer reuses the first one's finding
-        layer(torch.ones(3, 2, 4), key, -key, meta)
+    plans = []
+    for layer in layers:  # the second layer reuses the first one's findings
+        backend.attend(layer, torch.ones(3, 2, 4), key, -key, meta)  # after rotary
+        plans.append(meta.decode_plan)
         flat = layer.k_cache.view(-1, 1, 4)
         stored = [i for i, slot in enumerate(slots) if slot >= 0]
         assert meta.skips_slots == (len(stored) < len(slots))
@@ -113,6 +116,7 @@ def test_attention_layer_records_skipped_slots_for_the_step(slots):
         for i in stored:
             assert torch.equal(flat[slots[i]], key[i])
             assert torch.equal(layer.v_cache.view(-1, 1, 4)[slots[i]], -key[i])
+    assert plans[0] is not None and plans[1] is plans[0]
 
 
 @pytest.mark.parametrize("lens", [[37, 5, 16], [1, 30, 0, 9]])

@@ -15,12 +15,13 @@ from cpu_native_bad_calls import CASES, ENTRIES, check, valid_args
 from tiny_models import make_tiny_model
 
 from nanopaged import LLM, SamplingParams
+from nanopaged.attention import CpuNativeAttention, TorchAttention, attention_backend
 from nanopaged.kernels import cpu_native
 from nanopaged.kernels.paged_decode import paged_decode_ref
 from nanopaged.kernels.rms_norm import rms_norm_ref
 from nanopaged.kernels.rotary import rotary_tables_ref, rotate_ref
 from nanopaged.kernels.store_kv import store_kv_ref
-from nanopaged.layers.backend import CPU_NATIVE, TORCH, backend_for, bind_backend
+from nanopaged.layers.backend import CPU_NATIVE, TORCH
 from nanopaged.layers.rotary import RotaryEmbedding
 
 BF16 = torch.bfloat16
@@ -55,15 +56,16 @@ def test_builds_once_into_the_cache(monkeypatch, tmp_path):
 
 @needs_kernels
 def test_backend_choice_and_opt_out(monkeypatch):
-    assert backend_for("cpu", BF16) is CPU_NATIVE
-    assert backend_for("cpu", torch.float32) is TORCH  # fp32 stays HF's exact arithmetic
-    assert backend_for("cpu", torch.float16) is TORCH
-    assert backend_for("cpu") is TORCH
+    native = attention_backend("cpu", BF16)
+    assert type(native) is CpuNativeAttention and native.ops is CPU_NATIVE
+    for dtype in (torch.float32, torch.float16, None):  # fp32 stays HF's exact arithmetic
+        backend = attention_backend("cpu", dtype)
+        assert type(backend) is TorchAttention and backend.ops is TORCH
     monkeypatch.setenv("NANOPAGED_CPU_KERNELS", "0")
     cpu_native.load.cache_clear()
     try:
         assert cpu_native.load() is None
-        assert backend_for("cpu", BF16) is TORCH
+        assert type(attention_backend("cpu", BF16)) is TorchAttention
     finally:
         cpu_native.load.cache_clear()
 
@@ -229,11 +231,11 @@ def test_bf16_llm_runs_the_kernels_and_agrees_with_the_references(tmp_path, fami
     # same greedy first tokens (prefill) and close logprobs at the first decode steps.
     model = make_tiny_model(tmp_path / family, family)
     llm = LLM(str(model), device="cpu", dtype="bfloat16", kv_cache_memory=8 << 20)
-    assert llm.runner.backend is CPU_NATIVE
+    assert type(llm.runner.backend) is CpuNativeAttention
     prompts = [[1, 5, 9, 200, 31, 7], [4, 4, 4], list(range(10, 60))]
     params = SamplingParams(temperature=0, max_tokens=3, logprobs=5, ignore_eos=True)
     native = llm.generate(prompts, params, use_tqdm=False)
-    bind_backend(llm.runner.model, TORCH)
+    TorchAttention().bind(llm.runner.model)  # its metadata is the C kernels' too
     reference = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(native, reference):
         a, b = a.outputs[0], b.outputs[0]
