@@ -2,7 +2,7 @@
 
 python benchmarks/sampler_bench.py [--json PATH]
 
-Per setting and batch size: device time of nanopaged.kernels.sampler.sample_fused against
+Per setting and batch size: device time of nanopaged.kernels.sampler_chunks.sample_fused against
 nanopaged.sampling.ops.sample (plus log_softmax/topk when logprobs are asked for), seeded rows
 through per-row torch.Generators as the engine does today. bf16 logits, Qwen's 151,936 vocab.
 """
@@ -16,7 +16,7 @@ import statistics
 import torch
 from sort_sampler import SamplingTensors, sample
 
-from nanopaged.kernels.sampler import sample_fused
+from nanopaged.kernels.sampler_chunks import sample_fused
 
 VOCAB = 151_936
 BATCHES = [256, 8]

@@ -62,6 +62,15 @@ class Platform:
     def device_name(self, device: torch.device) -> str:
         return torch.cuda.get_device_name(device) if self.gpu else "the CPU"
 
+    def num_sms(self, device: torch.device) -> int:
+        """A GPU's multiprocessor count (grid sizes of persistent kernels); 8 elsewhere (the
+        Triton interpreter's tests)."""
+        return torch.cuda.get_device_properties(device).multi_processor_count if self.gpu else 8
+
+    def is_capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA graph (never on a CPU)."""
+        return self.gpu and torch.cuda.is_current_stream_capturing()
+
     def profiler_activities(self) -> list[torch.profiler.ProfilerActivity]:
         """What torch's profiler records on this platform: the host, and the GPU's kernels."""
         activities = [torch.profiler.ProfilerActivity.CPU]

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from nanopaged.layers.norm import RMSNorm
     from nanopaged.layers.rotary import RotaryEmbedding
 
-# A step's host arrays (ModelRunner._host_arrays): positions [num_tokens] int64, slots
+# A step's host arrays (engine/step_inputs.host_arrays): positions [num_tokens] int64, slots
 # [num_tokens] int64 (-1: do not store), tables [batch, max_blocks] int32, context_lens [batch]
 # int32 (tokens in the cache after the step), cu_seqlens_q [batch + 1] int32.
 HostArrays = Mapping[str, np.ndarray]

@@ -12,7 +12,6 @@ from nanopaged.attention.metadata import AttentionMetadata
 from nanopaged.kernels import store_kv
 
 if TYPE_CHECKING:
-    from nanopaged.attention.base import AttentionBackend
     from nanopaged.layers.norm import RMSNorm
     from nanopaged.layers.rotary import RotaryEmbedding
 
@@ -32,7 +31,8 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
-        self.backend: AttentionBackend | None = None
+        # The model's AttentionBackend (attention/base.py, which imports this module).
+        self.backend = None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.k_scale: torch.Tensor | None = None

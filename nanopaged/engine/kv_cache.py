@@ -8,7 +8,7 @@ what the decode graphs will hold; on a CPU a byte budget (kv_cache_memory, 1 GiB
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -18,8 +18,12 @@ from nanopaged.sampling.ops import sample, with_path
 from nanopaged.sampling.prompt_logprobs import PROFILE_TOPK, rows_per_chunk, score_prompt_rows
 
 if TYPE_CHECKING:
-    from nanopaged.attention import Attention
-    from nanopaged.engine.model_runner import ModelRunner
+    from torch import nn
+
+    from nanopaged.attention import Attention, AttentionMetadata
+    from nanopaged.config import EngineConfig
+    from nanopaged.distributed.parallel import TensorParallel
+    from nanopaged.sampling.sampler import Sampler
 
 # KV budget on CPU when kv_cache_memory is not given.
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
@@ -97,6 +101,27 @@ def warn_past_kv_range(peaks: torch.Tensor, dtype: torch.dtype) -> None:
             "are clamped. Use calculate_kv_scales=True, or a checkpoint with KV scales.",
             stacklevel=3,
         )
+
+
+class ModelRunner(Protocol):
+    """What the memory profile reads of the runner being built (engine/model_runner.py)."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    model: nn.Module
+    sampler: Sampler
+    tp: TensorParallel
+    attention_layers: list[Attention]
+    device: torch.device
+    kv_cache_dtype: torch.dtype
+    max_model_len: int
+    block_size: int
+    num_kv_heads: int
+
+    def bind_kv(self, cache: torch.Tensor) -> None: ...
+    def _metadata(
+        self, num_scheduled: list[int], starts: list[int], block_tables: list[list[int]]
+    ) -> tuple[torch.Tensor, AttentionMetadata]: ...
 
 
 def profile_cuda_budget(runner: ModelRunner) -> int:

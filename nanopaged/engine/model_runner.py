@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -27,7 +25,14 @@ from nanopaged.engine.kv_cache import (
 )
 from nanopaged.engine.scheduler import ScheduledBatch
 from nanopaged.engine.sequence import Sequence
-from nanopaged.engine.step_inputs import StepInputs, build_step_inputs, is_arange, pending_ids
+from nanopaged.engine.step_inputs import (
+    Peers,
+    StepInputs,
+    build_step_inputs,
+    host_arrays,
+    is_arange,
+    pending_ids,
+)
 from nanopaged.engine.swap import allocate_cpu_kv_cache, copy_block_pairs, run_block_ops
 from nanopaged.kernels.store_kv import is_fp8
 from nanopaged.loader import load_dummy_weights, load_weights
@@ -40,18 +45,6 @@ from nanopaged.sampling.prompt_logprobs import PromptScores, score_prompt_rows
 from nanopaged.sampling.rows import StepRows
 from nanopaged.sampling.sampler import Sampler
 from nanopaged.sampling.sharded import sample_shards, settings_array
-
-
-class Peers(Protocol):
-    """The other tensor-parallel ranks as rank 0's runner drives them (distributed/workers)."""
-
-    alive: bool
-    before_leave: Callable[[], object] | None
-
-    def publish(self, step: StepInputs) -> None: ...
-    def step_done(self) -> None: ...
-    def zero_blocks(self, block_ids: list[int]) -> None: ...
-    def allocate_swap_space(self, num_blocks: int) -> None: ...
 
 
 class ModelRunner:
@@ -220,33 +213,6 @@ class ModelRunner:
                                  self.max_model_len, cfg.max_num_seqs, knobs)  # fmt: skip
 
     # ---- one step ------------------------------------------------------------------------
-    def _host_arrays(
-        self, num_scheduled: list[int], starts: list[int], tables: np.ndarray
-    ) -> dict[str, np.ndarray]:
-        """The step's positions, slots and lengths, built in bulk on the host.
-
-        tables: [batch, max_blocks] int32 block tables.
-        """
-        bs = self.block_size
-        batch = len(num_scheduled)
-        q_lens = np.asarray(num_scheduled, dtype=np.int64)
-        starts_np = np.asarray(starts, dtype=np.int64)
-        cu = np.zeros(batch + 1, dtype=np.int32)
-        np.cumsum(q_lens, out=cu[1:])
-        if int(cu[-1]) == batch:  # decode: one token per sequence
-            seq_idx, pos = np.arange(batch), starts_np
-        else:
-            seq_idx = np.repeat(np.arange(batch), q_lens)
-            pos = np.arange(cu[-1]) - np.repeat(cu[:-1].astype(np.int64) - starts_np, q_lens)
-        slots = tables[seq_idx, pos // bs].astype(np.int64) * bs + pos % bs
-        return dict(
-            positions=pos,
-            slots=slots,
-            tables=tables,
-            context_lens=(starts_np + q_lens).astype(np.int32),
-            cu_seqlens_q=cu,
-        )
-
     def _metadata(
         self, num_scheduled: list[int], starts: list[int], block_tables: list[list[int]]
     ) -> tuple[torch.Tensor, AttentionMetadata]:
@@ -254,7 +220,7 @@ class ModelRunner:
         tables = np.zeros((len(block_tables), max(map(len, block_tables))), dtype=np.int32)
         for i, t in enumerate(block_tables):
             tables[i, : len(t)] = t
-        return self._device_metadata(self._host_arrays(num_scheduled, starts, tables))
+        return self._device_metadata(host_arrays(num_scheduled, starts, tables, self.block_size))
 
     def _device_metadata(
         self, host: dict[str, np.ndarray]
@@ -308,7 +274,8 @@ class ModelRunner:
         sampled_seqs = [seqs[i] for i in range(len(seqs)) if batch.samples(i)]
         rows = self.sampler.rows(sampled_seqs)
         starts = [s.num_computed_tokens for s in seqs]
-        host = self._host_arrays(batch.num_scheduled_tokens, starts, self._tables.build(seqs))
+        tables = self._tables.build(seqs)
+        host = host_arrays(batch.num_scheduled_tokens, starts, tables, self.block_size)
         shards = self.tp.size > 1 and rows.shardable
         step = build_step_inputs(batch, host, settings_array(sampled_seqs) if shards else None)
         if self.workers is not None:

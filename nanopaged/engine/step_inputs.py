@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -190,3 +191,43 @@ def pending_ids(
     else:
         values = torch.empty(n, dtype=torch.long, device=device)
     return dst, tp.broadcast(values)
+
+
+def host_arrays(
+    num_scheduled: list[int], starts: list[int], tables: np.ndarray, block_size: int
+) -> dict[str, np.ndarray]:
+    """The step's positions, slots and lengths, built in bulk on the host.
+
+    tables: [batch, max_blocks] int32 block tables.
+    """
+    bs = block_size
+    batch = len(num_scheduled)
+    q_lens = np.asarray(num_scheduled, dtype=np.int64)
+    starts_np = np.asarray(starts, dtype=np.int64)
+    cu = np.zeros(batch + 1, dtype=np.int32)
+    np.cumsum(q_lens, out=cu[1:])
+    if int(cu[-1]) == batch:  # decode: one token per sequence
+        seq_idx, pos = np.arange(batch), starts_np
+    else:
+        seq_idx = np.repeat(np.arange(batch), q_lens)
+        pos = np.arange(cu[-1]) - np.repeat(cu[:-1].astype(np.int64) - starts_np, q_lens)
+    slots = tables[seq_idx, pos // bs].astype(np.int64) * bs + pos % bs
+    return dict(
+        positions=pos,
+        slots=slots,
+        tables=tables,
+        context_lens=(starts_np + q_lens).astype(np.int32),
+        cu_seqlens_q=cu,
+    )
+
+
+class Peers(Protocol):
+    """The other tensor-parallel ranks as rank 0's runner drives them (distributed/workers)."""
+
+    alive: bool
+    before_leave: Callable[[], object] | None
+
+    def publish(self, step: StepInputs) -> None: ...
+    def step_done(self) -> None: ...
+    def zero_blocks(self, block_ids: list[int]) -> None: ...
+    def allocate_swap_space(self, num_blocks: int) -> None: ...

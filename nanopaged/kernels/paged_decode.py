@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from nanopaged.kernels.store_kv import is_fp8, v_layout_ok
+from nanopaged.platform import platform_of
 
 try:
     import triton
@@ -146,9 +147,7 @@ def paged_decode_ref(
 @functools.cache
 def num_sms(device: torch.device) -> int:
     """Multiprocessor count of a CUDA device (a host query, cached); 8 off-GPU (interpreter)."""
-    if device.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return platform_of(device).num_sms(device)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -16,7 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from nanopaged.kernels.sampler import _RESOLUTION, MAX_PROBES, FusedSample, check_bitmask
+from nanopaged.kernels.sampler import (
+    _RESOLUTION,
+    FRONTIER,
+    MAX_PROBES,
+    FusedSample,
+    _launch,
+    check_bitmask,
+)
 
 try:
     import triton
@@ -588,3 +595,76 @@ def draw_frontier(
         num_warps=16 if full_block >= 4096 else 4,
     )  # fmt: skip
     return FusedSample(tokens, token_logprobs, None, None, scores)
+
+
+def sample_fused(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    num_logprobs: int = 0,
+    vocab_start: int = 0,
+    *,
+    block: int | None = None,
+    num_warps: int | None = None,
+    programs_per_sm: int = 1,
+    logprobs: bool = True,
+    plain: bool = False,
+    min_p: bool = True,
+    top_k: bool = True,
+    frontier: tuple[int, int] = FRONTIER,
+    bitmask: torch.Tensor | None = None,
+    bitmask_rows: torch.Tensor | None = None,
+) -> FusedSample:
+    """Sample one token per row of logits [batch, vocab] (fp32/bf16/fp16, rows may be strided).
+
+    Per row, on the logits' device: temperatures fp32 (0 = greedy), top_ks int32 (<= 0 or >=
+    vocab = off), top_ps fp32 (1 = off), min_ps fp32 (0 = off), seeds int64, offsets int64.
+    The noise of a row is keyed by (seed, offset): the caller folds the sample index and the
+    output position into offset (e.g. position * n + sample_index), so a row's draw is
+    reproducible and independent of the batch. num_logprobs > 0 also returns the top
+    num_logprobs raw logprobs; logprobs=False leaves out the sampled tokens' own (then
+    FusedSample.logprobs is None) unless num_logprobs > 0, and the pass that sums the row's
+    softmax with it. The module docstring states the exact semantics.
+
+    vocab_start: the columns are token ids vocab_start.. of a larger vocabulary (a
+    tensor-parallel rank's shard): the noise is that of those ids. Token ids returned are
+    column indices; with no top-k, top-p or min-p, the shard of the largest score (the first
+    on ties) holds the full row's token (see FusedSample.scores).
+
+    plain: the caller knows no row has top-k or top-p; min_p: whether a row may have min-p.
+    Such rows need no search: their draw runs in chunks of `block` columns (2048 unless given)
+    side by side, with the rows' maxima (min-p) and softmax sums and top values (logprobs)
+    from a pass of chunks before it. The same tokens and scores as the full kernel and its
+    logprobs within rounding, in a fraction of its time (one program walking a whole row is
+    bound by its loads' latency).
+
+    top_k: whether a row may have top-k. Without it (and without top logprobs) rows with top-p
+    draw in chunks too (sampler_chunks.draw_frontier): the full kernel's tokens, found from
+    the masses above a few candidate tokens instead of a search for the cut (frontier: the
+    candidates kept per chunk and per row; tests make them small to reach the fallback).
+
+    bitmask: the allowed tokens of constrained rows (structured outputs), int32 [num_masks,
+    ceil(vocab_size / 32)] on the logits' device, bit t % 32 of word t // 32 set = token id t
+    allowed; row i takes bitmask row bitmask_rows[i] (int32 [batch], -1: unconstrained, its
+    loads predicated off), or row i when bitmask_rows is None. A token it clears is -inf in
+    every pass over the row (apply_bitmask_ref): the filters, the draw, greedy and the
+    logprobs are the masked row's. None: the kernels are compiled without it. Rows with top-p
+    but no top-k take the full kernel when masked.
+    """
+    if plain:
+        return draw_chunked(
+            logits, temperatures, min_ps if min_p else None, seeds, offsets, vocab_start,
+            block or 2048, num_logprobs, logprobs, bitmask, bitmask_rows,
+        )  # fmt: skip
+    if not top_k and num_logprobs == 0 and bitmask is None:
+        return draw_frontier(
+            logits, temperatures, top_ks, top_ps, min_ps, seeds, offsets, vocab_start, block,
+            logprobs, frontier,
+        )  # fmt: skip
+    return _launch(logits, temperatures, top_ks, top_ps, min_ps, seeds, offsets, num_logprobs,
+                   None, block, num_warps, vocab_start, programs_per_sm, logprobs, bitmask,
+                   bitmask_rows)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanopaged.platform import platform_of
+
 try:
     import triton
     import triton.language as tl
@@ -218,8 +220,7 @@ def _counters(device: torch.device) -> torch.Tensor:
     """The device's zeroed split-K arrival counts (allocated on first use, outside a graph)."""
     counters = _tile_counters.get(device)
     if counters is None:
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        assert not capturing, (
+        assert not platform_of(device).is_capturing(), (
             "run skinny_linear once on this device before capturing a CUDA graph"
         )
         counters = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)

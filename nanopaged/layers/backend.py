@@ -156,7 +156,7 @@ TRITON = Backend(
     rms_norm=_rms_norm_triton,
     silu_and_mul=_silu_and_mul_triton,
     fused_moe=fused_moe.fused_moe,
-    sample=sampler.sample_fused,
+    sample=sampler_chunks.sample_fused,
     argmax=sampler_chunks.argmax_fused,
     penalize_rows=penalties.penalize_rows,
 )

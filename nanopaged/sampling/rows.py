@@ -10,14 +10,11 @@ whether the next step may be planned before this one's samples reach the host (t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import xxhash
 
 from nanopaged.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from nanopaged.engine.sequence import Sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +51,18 @@ def classify(params: SamplingParams, beam: bool = False) -> RowClass:
         min_tokens=params.min_tokens,
         constrained=params.structured_outputs is not None,
     )
+
+
+class Sequence(Protocol):
+    """What this module reads of a sequence (engine/sequence.Sequence, which imports it)."""
+
+    row: RowClass
+    group: Any  # its SequenceGroup: .forked, False while a parent is still to fork
+    seed: int
+    index: int
+
+    @property
+    def num_output_tokens(self) -> int: ...
 
 
 def is_early(seq: Sequence) -> bool:

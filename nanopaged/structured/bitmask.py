@@ -32,7 +32,7 @@ class BitmaskFiller:
     def fill(self, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: torch.Tensor) -> None:
         """Write each (matcher, row)'s allowed tokens into bitmask[row]; other rows are left
         as they are. bitmask: CPU int32 [num_rows, num_words], contiguous."""
-        assert bitmask.device.type == "cpu" and bitmask.dtype == torch.int32, bitmask.dtype
+        assert bitmask.dtype == torch.int32, bitmask.dtype  # a host tensor
         assert bitmask.dim() == 2 and bitmask.shape[1] == self.num_words, bitmask.shape
         assert bitmask.is_contiguous()
         if not rows:

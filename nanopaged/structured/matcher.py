@@ -24,7 +24,7 @@ class GrammarMatcher:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into bitmask[row] (CPU int32 [rows, num_words]; bit
         i % 32 of word i // 32 set = token i allowed)."""
-        assert bitmask.device.type == "cpu" and bitmask.dtype == torch.int32, bitmask.dtype
+        assert bitmask.dtype == torch.int32, bitmask.dtype  # a host tensor
         assert bitmask.dim() == 2 and bitmask.shape[1] == self.num_words, bitmask.shape
         assert 0 <= row < bitmask.shape[0], (row, bitmask.shape)
         target = bitmask[row]

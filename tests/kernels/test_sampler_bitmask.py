@@ -19,10 +19,9 @@ from nanopaged.kernels.sampler import (
     allowed_mask_ref,
     apply_bitmask_ref,
     argmax_ref,
-    sample_fused,
     sample_ref,
 )
-from nanopaged.kernels.sampler_chunks import argmax_fused
+from nanopaged.kernels.sampler_chunks import argmax_fused, sample_fused
 
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
 

@@ -10,10 +10,9 @@ from nanopaged.kernels.hash_rng import gumbel_ref, uniform_ref
 from nanopaged.kernels.sampler import (
     allowed_mask_fused,
     allowed_mask_ref,
-    sample_fused,
     sample_ref,
 )
-from nanopaged.kernels.sampler_chunks import argmax_fused
+from nanopaged.kernels.sampler_chunks import argmax_fused, sample_fused
 
 try:
     import triton
