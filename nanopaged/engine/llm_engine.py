@@ -13,6 +13,7 @@ import gc
 import time
 import weakref
 from collections.abc import Iterable
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -123,6 +124,8 @@ class LLMEngine:
         self.rates = StepRates()
         # A launched step planned before its predecessor's samples were known.
         self._in_flight: tuple[ScheduledBatch, StepHandle] | None = None
+        # Structured-outputs requests whose grammar is compiling: (group, its Future).
+        self._compiling: list[tuple[SequenceGroup, Future]] = []
         self._num_steps = 0
         self._num_request_ids = 0
         self._num_drawn_seeds = 0
@@ -278,8 +281,58 @@ class LLMEngine:
         group = SequenceGroup(request_id, seq, beam_params=beam_params)
         running = RunningRequest(request_id, request.prompt, p, group)
         self.requests[request_id] = running
-        self.scheduler.add(group)
+        if p.structured_outputs is None:
+            self.scheduler.add(group)
+        else:  # scheduled once its grammar compiled, other requests running meanwhile
+            self._compiling.append((group, self._grammars().submit(p.structured_outputs)))
         return running
+
+    def _grammars(self):
+        """The structured-outputs backend (nanopaged.structured), made at the first request
+        that asks; the Sampler fills its rows' masks through it."""
+        sampler = self.runner.sampler
+        if sampler.structured is None:
+            from nanopaged.structured import StructuredBackend
+
+            sampler.structured = StructuredBackend(
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+            )
+        return sampler.structured
+
+    def _admit_compiled(self) -> None:
+        """Schedule the requests whose grammar compiled (waiting for the first when nothing
+        else can run), each sequence with a matcher at the grammar's start."""
+        if not self._compiling:
+            return
+        if not self.scheduler.has_unfinished():
+            self._compiling[0][1].result()
+        waiting = []
+        for group, future in self._compiling:
+            if not future.done():
+                waiting.append((group, future))
+                continue
+            compiled = future.result()
+            for seq in group.seqs:
+                seq.matcher = compiled.matcher()
+            self.scheduler.add(group)
+        self._compiling = waiting
+
+    def _advance_matchers(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Feed each sequence's new tokens to its grammar's matcher. A grammar that can take
+        nothing more allows EOS alone: a request that ignores EOS finishes there ("stop");
+        returns those it finished."""
+        finished = []
+        for seq in seqs:
+            matcher = seq.matcher
+            if matcher is None or seq.is_finished:
+                continue
+            new = seq.token_ids[seq.num_prompt_tokens + seq.num_matched :]
+            seq.num_matched += len(new)
+            matcher.accept_many(new)  # False: an error state, which allows EOS alone
+            if seq.sampling_params.ignore_eos and matcher.is_terminated():
+                self.scheduler.finish(seq, "stop", None)
+                finished.append(seq)
+        return finished
 
     def new_request_id(self) -> str:
         """A request id no running request has."""
@@ -302,6 +355,7 @@ class LLMEngine:
             running = self.requests.pop(rid, None)
             if running is not None:
                 self.scheduler.abort(running.group)
+                self._compiling = [c for c in self._compiling if c[0] is not running.group]
         if not self.requests:
             self._drain()
 
@@ -358,13 +412,15 @@ class LLMEngine:
 
     def may_run_ahead(self, batch: ScheduledBatch, handle: StepHandle) -> bool:
         """The one decision: may the next step be planned and launched before this one's
-        samples reach the host? Only when its samples stay on the device (a plain step) and no
-        structural event (fork, copy-on-write, preemption, swap, beam step) needs them first.
+        samples reach the host? Only when its samples stay on the device and no row's next
+        token mask needs them (StepHandle.run_ahead, from the step's rows) and no structural
+        event (fork, copy-on-write, preemption, swap, beam step) needs them first.
         Prompt logprobs the step scores travel with its samples and are recorded at its commit,
         and the next step scores none of their positions: they hold nothing back."""
-        return self.async_scheduling and handle.plain and self.scheduler.can_look_ahead(batch)
+        return self.async_scheduling and handle.run_ahead and self.scheduler.can_look_ahead(batch)
 
     def _step(self) -> tuple[list[RunningRequest], list[RunningRequest]]:
+        self._admit_compiled()
         launched, self._in_flight = self._in_flight, None
         if launched is None:
             if not self.scheduler.has_unfinished():
@@ -386,7 +442,7 @@ class LLMEngine:
         step = self.scheduler.commit(
             batch, handle.result(), handle.logprobs(), handle.prompt_logprobs()
         )
-        stopped = self._check_stop_strings(step.grown)
+        stopped = self._advance_matchers(step.grown) + self._check_stop_strings(step.grown)
         self.rates.add(batch.total_tokens - num_decode, num_decode)
         # Two samples of one request can both stop here: each request once.
         done = {g.request_id: g for g in step.finished_groups}
@@ -397,14 +453,6 @@ class LLMEngine:
         if not self.requests:
             self._drain()
         return grown, finished
-    def _launch(self, prev: StepHandle | None = None) -> tuple[ScheduledBatch, StepHandle] | None:
-        """Schedule a step and queue it on the device (None: nothing to run). prev: the step
-        launched before it, whose samples are still on the device."""
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return None
-        return batch, self.runner.launch(batch, self.eos_token_ids, prev=prev)
-
 
     def _launch(self, prev: StepHandle | None = None) -> tuple[ScheduledBatch, StepHandle] | None:
         """Schedule a step and queue it on the device (None: nothing to run). prev: the step
@@ -424,6 +472,7 @@ class LLMEngine:
     def _abort_all(self) -> None:
         """After a failed or interrupted step: drop every request and free every block."""
         self._in_flight = None
+        self._compiling = []
         self.requests.clear()
         self.scheduler.abort_all()
         # No request outlives this, so no block may stay held, even one that a step cut

@@ -310,6 +310,28 @@ class InputProcessor:
                 f"{name}.stop needs a tokenizer to find stop strings, but {self.model_dir} has "
                 "none; pass tokenizer=PATH or use stop_token_ids"
             )
+        if p.structured_outputs is not None:
+            self.check_structured_outputs(p, name)
+
+    def check_structured_outputs(self, p: SamplingParams, name: str) -> None:
+        """A grammar needs the `structured` extra and a tokenizer, and its spec must compile
+        (checked here, before any work; compiled for the model's tokenizer later)."""
+        if self.tokenizer is None:
+            raise ValueError(
+                f"{name}.structured_outputs needs a tokenizer, but {self.model_dir} has none; "
+                "pass tokenizer=PATH"
+            )
+        try:
+            from nanopaged.structured import validate
+        except ImportError as e:
+            raise ValueError(
+                f"{name}.structured_outputs needs llguidance: pip install 'nanopaged[structured]'"
+                f" ({e})"
+            ) from None
+        try:
+            validate(p.structured_outputs)
+        except ValueError as e:
+            raise ValueError(f"{name}.{e}") from None
 
     def fitted(
         self, token_lists: list[list[int]], params: list[SamplingParams]

@@ -234,3 +234,45 @@ def test_run_batch_json_schema_records_validate(llm, tmp_path):
         if choice["finish_reason"] == "stop":
             schema = SCHEMAS[int(record["custom_id"][1:])][1]
             jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+
+
+def test_grammar_survives_preemption_swap_and_running_ahead(llm, tmp_path):
+    # A pool of 20 blocks (320 tokens) cannot hold the batch: requests are preempted (recomputed or
+    # swapped) mid-grammar; with asynchronous scheduling the unconstrained rows run ahead.
+    # Each matcher keeps its place: the tokens equal those of a pool that holds everything.
+    convs, params = [], []
+    for i, (what, schema) in enumerate(SCHEMAS[:6]):
+        convs.append(_ask(what))
+        params.append(_params(40 + i, StructuredOutputsParams(json=schema)))
+        convs.append(_ask(what))  # an unconstrained neighbour
+        params.append(SamplingParams(temperature=0.7, seed=60 + i, max_tokens=MAX_TOKENS))
+    expected = [o.outputs[0].token_ids for o in llm.chat(convs, params, use_tqdm=False)]
+    per_block = llm.runner.kv_bytes_per_block
+    for mode in ("recompute", "swap"):
+        tight = LLM(dtype="float32", device="cpu", seed=0, kv_cache_memory=20 * per_block,
+                    max_model_len=256, preemption_mode=mode, async_scheduling=True)  # fmt: skip
+        outs = tight.chat(convs, params, use_tqdm=False)
+        assert tight.scheduler.num_preemptions > 0, mode
+        assert [o.outputs[0].token_ids for o in outs] == expected, mode
+
+
+def test_rows_without_a_grammar_are_unchanged_and_masked_logprobs_renormalize(llm):
+    question, choices = CHOICES[0]
+    conv = [{"role": "user", "content": question}]
+    plain = SamplingParams(temperature=0, max_tokens=1, logprobs=3)
+    constrained = SamplingParams(temperature=0, max_tokens=1, logprobs=3,
+                                 structured_outputs=StructuredOutputsParams(choice=choices))
+    alone = llm.chat([conv], plain, use_tqdm=False)[0].outputs[0]
+    mixed = llm.chat([conv, conv], [plain, constrained], use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == alone.token_ids  # the unconstrained row as alone
+    assert mixed[0].outputs[0].logprobs[0] == alone.logprobs[0]
+    c = mixed[1].outputs[0]
+    token = c.token_ids[0]
+    masked = c.logprobs[0][token].logprob
+    # The masked distribution renormalizes over the allowed tokens: the drawn token is at
+    # least as likely as it was in the raw distribution, and it starts one of the choices.
+    raw = llm.chat([conv], SamplingParams(temperature=0, max_tokens=1, logprobs=20,
+                                          allowed_token_ids=[token]), use_tqdm=False)  # fmt: skip
+    assert masked > float("-inf")
+    assert masked >= raw[0].outputs[0].logprobs[0][token].logprob - 1e-5
+    assert any(ch.startswith(c.text) or c.text.startswith(ch) for ch in choices), c.text
