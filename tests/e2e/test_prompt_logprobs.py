@@ -47,6 +47,7 @@ def scored_rows(monkeypatch):
         return real(compute_logits, hidden, rows, *args)
 
     monkeypatch.setattr(model_runner, "score_prompt_rows", spy)
+    monkeypatch.setattr(kv_cache, "score_prompt_rows", spy)  # the memory profile's chunk
     return counts
 
 
