@@ -16,6 +16,7 @@ import pytest
 import torch
 from tiny_models import make_tiny_model
 
+import nanopaged.engine.kv_cache as kv_cache
 import nanopaged.engine.model_runner as model_runner
 from nanopaged import LLM, SamplingParams
 from nanopaged.engine.step_inputs import StepInputs
