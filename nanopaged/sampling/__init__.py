@@ -8,5 +8,6 @@ host.py      the host path: forks, beams, logit controls (a SampleOutput per row
 penalties.py penalties, min_tokens masks and the penalty counts kept on the device
 sharded.py   tensor-parallel sampling over vocabulary shards, without a gather
 prompt_logprobs.py  prompt logprobs scored from a prefill step's own rows
+rejection.py the exact rejection sampler of speculative decoding (not yet wired into the step)
 output.py    StepHandle, SampleOutput, StepLogprobs, NonFiniteLogitsError
 """
