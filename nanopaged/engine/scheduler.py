@@ -419,25 +419,6 @@ class Scheduler:
         for results in beam_results.values():
             self._step_beams(results, step)
         return step
-    def _step_beams(
-        self, results: list[tuple[Sequence, SampleOutput]], step: StepOutput
-    ) -> None:
-        """One beam search step of a group from its live beams' samples."""
-        group = results[0][0].group
-        bm = self.block_manager
-        live = beam_search_step(group, results, self.eos_token_ids, bm)
-        step.grown.extend(live)
-        head = live[0] if live else None
-        if (
-            head is None
-            or head.num_output_tokens >= group.beam_params.max_tokens
-            or len(head) >= self.max_model_len
-        ):
-            step.finished.extend(live)
-            finalize_beams(group, bm)
-            self.running.remove(group)
-            step.finished_groups.append(group)
-
 
     def _step_beams(
         self, results: list[tuple[Sequence, SampleOutput]], step: StepOutput
