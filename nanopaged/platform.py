@@ -114,11 +114,14 @@ def pinned(t: torch.Tensor) -> torch.Tensor:
     return t.pin_memory() if torch.cuda.is_available() else t
 
 
-def to_device(a: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host array on device without waiting for the device's queued work (a plain
-    torch.tensor(..., device=cuda) would)."""
+def to_device(
+    a: np.ndarray | torch.Tensor, device: torch.device, pin: bool = False
+) -> torch.Tensor:
+    """A host array on device, queued without waiting for the device's work (a plain
+    torch.tensor(..., device=cuda) would). pin: stage it in page-locked memory first (a large
+    or latency-critical copy; small step arrays go from pageable memory, measured cheaper)."""
     t = torch.from_numpy(a) if isinstance(a, np.ndarray) else a
-    if torch.device(device).type == "cuda":
+    if pin and torch.device(device).type == "cuda":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
 

@@ -76,7 +76,7 @@ def swap_blocks(
         # Device -> host waits for that copy only; host -> device goes through a pinned copy,
         # so it need not block the host.
         [blocks] = HostCopy([blocks]).result()
-        blocks = to_device(blocks, dst_cache.device)
+        blocks = to_device(blocks, dst_cache.device, pin=True)
     dst_cache.index_copy_(2, dst, blocks)
 
 

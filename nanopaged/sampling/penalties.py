@@ -176,7 +176,7 @@ def penalize(
         ],
         dtype=torch.float64,
     )
-    both = to_device(host, dev)
+    both = to_device(host, dev, pin=True)
     penalties = both[:3].float()
     logits = logits.to(torch.float32, copy=True)  # one copy, whatever the logits' dtype
     backend_for(dev).penalize_rows(logits, both[3].long(), both[4].long(), counts.counts,
@@ -201,5 +201,5 @@ def mask_early_stops(logits: torch.Tensor, seqs: list[Sequence], eos: set[int]) 
     if not rows:
         return
     # index: [2, n] = rows, token ids
-    index = to_device(torch.tensor([rows, cols], dtype=torch.long), logits.device)
+    index = to_device(torch.tensor([rows, cols], dtype=torch.long), logits.device, pin=True)
     logits.index_put_((index[0], index[1]), logits.new_full((), float("-inf")))
