@@ -265,7 +265,11 @@ def test_rows_without_a_grammar_are_unchanged_and_masked_logprobs_renormalize(ll
     alone = llm.chat([conv], plain, use_tqdm=False)[0].outputs[0]
     mixed = llm.chat([conv, conv], [plain, constrained], use_tqdm=False)
     assert mixed[0].outputs[0].token_ids == alone.token_ids  # the unconstrained row as alone
-    assert mixed[0].outputs[0].logprobs[0] == alone.logprobs[0]
+    # (equal up to fp32 rounding: a batch of two runs GEMMs of another shape than one)
+    beside = mixed[0].outputs[0].logprobs[0]
+    assert beside.keys() == alone.logprobs[0].keys()
+    for t, lp in alone.logprobs[0].items():
+        assert beside[t].rank == lp.rank and abs(beside[t].logprob - lp.logprob) < 1e-4
     c = mixed[1].outputs[0]
     token = c.token_ids[0]
     masked = c.logprobs[0][token].logprob
