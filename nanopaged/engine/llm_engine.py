@@ -322,6 +322,8 @@ class LLMEngine:
         nothing more allows EOS alone: a request that ignores EOS finishes there ("stop");
         returns those it finished."""
         finished = []
+        if self.runner.sampler.structured is None:  # no request ever had a grammar
+            return finished
         for seq in seqs:
             matcher = seq.matcher
             if matcher is None or seq.is_finished:
