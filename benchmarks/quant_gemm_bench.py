@@ -3,14 +3,16 @@ W4A16 (AWQ, GPTQ, GPTQ desc_act) and W8A8 FP8 (128x128 blocks; per channel throu
 kernel and through torch._scaled_mm), with bf16 cuBLAS (F.linear) beside them, at 1, 16 and
 256 rows.
 
-python benchmarks/quant_gemm_bench.py [--rows 1 16 256] [--tune] [--json PATH]
+python benchmarks/quant_gemm_bench.py [--rows 1 16 256] [--kinds ...] [--shapes ...] [--tune]
+    [--json PATH]
 
 Device time per call from CUDA graphs of many calls, each reading the next of several weight
 copies (together > 4x L2), as a decode step reads weights from HBM. A quantized layer's call
 includes what it runs per call: the FP8 layers quantize the activations first. The bound is
 the call's bytes (weight, scales, activations in and out) at the copy rate measured in the
 same run; "of bound" = bound / time. --tune also times candidate launches of the Triton
-kernels and reports the fastest per (shape, rows), for their default_config.
+kernels and prints the fastest per (shape, rows) as TUNED entries of the kernel's module (the
+default_config reads them; DEFAULT_TILES holds the fallback per row count).
 """
 
 from __future__ import annotations
@@ -99,13 +101,17 @@ def make_call(kind: str, x: torch.Tensor, config=None):
     return block_gemm
 
 
-def time_kind(kind: str, n: int, k: int, m: int, bw: float, config=None) -> dict:
+def make_copies(kind: str, n: int, k: int) -> list:
+    """Enough weights of this kind that cycling through them reads HBM, not L2."""
     first = make_weight(kind, n, k)
-    per_copy = weight_bytes(first)
-    copies = [first] + [make_weight(kind, n, k) for _ in range(ROTATE_BYTES // per_copy)]
+    return [first] + [make_weight(kind, n, k) for _ in range(ROTATE_BYTES // weight_bytes(first))]
+
+
+def time_kind(kind: str, copies: list, n: int, k: int, m: int, bw: float, config=None) -> dict:
+    """One (kind, rows, launch) timing over the weight copies of an [n, k] weight."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     us = graph_us(make_call(kind, x, config), copies)
-    total = per_copy + 2 * m * (k + n)  # bf16 activations in, output out
+    total = weight_bytes(copies[0]) + 2 * m * (k + n)  # bf16 activations in, output out
     bound_us = total / (bw * 1e6)
     config = None if config is None else config.__dict__
     return dict(kind=kind, n=n, k=k, m=m, us=us, bytes=total, bound_us=bound_us,
@@ -113,23 +119,55 @@ def time_kind(kind: str, n: int, k: int, m: int, bw: float, config=None) -> dict
 
 
 def candidates(kind: str, m: int) -> list:
-    """Launches --tune tries for the Triton kernels."""
-    block_ms = (16,) if m <= 16 else (32, 64, 128)
-    out = []
-    for bm, bn, bk, split, warps, stages in itertools.product(
-        block_ms, (32, 64, 128, 256), (32, 64, 128), (1, 2, 4, 8), (4, 8), (2, 3, 4)
-    ):
-        if m > 16 and split > 2:
+    """Launches --tune tries for the Triton kernels: decode tiles of 16 rows with K splits,
+    wider tiles as rows grow (split_k 0 is the launcher's own split)."""
+    if m <= 16:
+        grid = ((16,), (16, 32, 64, 128), (64, 128), (0, 1, 2, 4, 8), (4,), (3, 4))
+    elif m <= 64:
+        grid = ((32, 64), (64, 128), (64, 128), (1, 2), (4, 8), (3, 4))
+    else:
+        grid = ((64, 128), (128, 256), (64, 128), (1,), (4, 8), (3, 4))
+    cls = W4A16Config if kind in ("awq", "gptq", "gptq-desc_act") else fp8_gemm.Fp8GemmConfig
+    return [cls(*launch) for launch in itertools.product(*grid)]
+
+
+def kernel_module(kind: str):
+    return w4a16_gemm if kind in ("awq", "gptq", "gptq-desc_act") else fp8_gemm
+
+
+def tuned_line(kind: str, m: int, n: int, k: int, config: dict) -> str:
+    """The TUNED entry of the kernel's module for this launch, ready to paste."""
+    mod = kernel_module(kind)
+    bucket = next(rows for rows, _ in mod.DEFAULT_TILES if m <= rows)
+    cls = type(mod.DEFAULT_TILES[0][1]).__name__
+    args = ", ".join(f"{key}={value}" for key, value in config.items())
+    name = mod.__name__.rsplit(".", 1)[-1]
+    bucket = "1 << 62" if bucket == 1 << 62 else bucket  # the table's "any more rows"
+    return f"{name}.TUNED[({bucket}, {n}, {k})] = {cls}({args})  # {kind}"
+
+
+def tune(kind: str, copies: list, m: int, bw: float, row: dict) -> dict:
+    """The fastest candidate launch (the default's timing included) of one kind and shape."""
+    best = row
+    for cfg in candidates(kind, m):
+        try:
+            tried = time_kind(kind, copies, row["n"], row["k"], m, bw, cfg)
+        except Exception:  # out of shared memory, a block_k past the group, ...
             continue
-        cls = W4A16Config if kind in ("awq", "gptq", "gptq-desc_act") else fp8_gemm.Fp8GemmConfig
-        out.append(cls(bm, bn, bk, split, warps, stages))
-    return out
+        best = tried if tried["us"] < best["us"] else best
+    if best["config"] is None:  # the default won: name its launch
+        n, k = row["n"], row["k"]
+        group = GROUP if kind in ("awq", "gptq", "gptq-desc_act") else (
+            BLOCK[1] if kind == "fp8-block" else k)  # fmt: skip
+        best = dict(best, config=kernel_module(kind).default_config(m, n, k, group).__dict__)
+    return best
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256])
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--tune", action="store_true", help="time candidate Triton launches")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -137,32 +175,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error("the quantized GEMM benchmark needs CUDA")
     bw = copy_tbps()
     print(f"{torch.cuda.get_device_name()}: copy {bw:.2f} TB/s", flush=True)
-    rows = []
-    for (name, (n, k)), m in itertools.product(SHAPES.items(), args.rows):
+    rows, tuned = [], []
+    shapes = {name: SHAPES[name] for name in args.shapes}
+    for (name, (n, k)), m in itertools.product(shapes.items(), args.rows):
         base = None
         for kind in args.kinds:
+            copies = make_copies(kind, n, k)
             try:
-                row = time_kind(kind, n, k, m, bw)
+                row = time_kind(kind, copies, n, k, m, bw)
             except RuntimeError as e:  # torch._scaled_mm on a GPU without FP8, say
                 print(f"{name} m={m} {kind}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                 continue
             if args.tune and kind not in ("bf16", "fp8-channel-scaled_mm"):
-                best = row
-                for cfg in candidates(kind, m):
-                    try:
-                        tried = time_kind(kind, n, k, m, bw, cfg)
-                    except Exception:  # out of shared memory, a block_k past the group, ...
-                        continue
-                    best = tried if tried["us"] < best["us"] else best
+                best = tune(kind, copies, m, bw, row)
                 row["best_us"], row["best_config"] = best["us"], best["config"]
+                tuned.append(tuned_line(kind, m, n, k, best["config"]))
+            del copies
             base = row["us"] if kind == "bf16" else base
             row.update(shape=name, speedup_vs_bf16=None if base is None else base / row["us"])
             rows.append(row)
-            tuned = f", tuned {row['best_us']:.1f} us {row['best_config']}" if args.tune \
+            best = f", tuned {row['best_us']:.1f} us {row['best_config']}" if args.tune \
                 and "best_us" in row else ""  # fmt: skip
             vs = f", {row['speedup_vs_bf16']:.2f}x bf16" if base is not None else ""
             print(f"{name:13s} m={m:4d} {kind:22s} {row['us']:8.1f} us, "
-                  f"{100 * row['of_bound']:5.1f}% of bound{vs}{tuned}", flush=True)  # fmt: skip
+                  f"{100 * row['of_bound']:5.1f}% of bound{vs}{best}", flush=True)  # fmt: skip
+    if tuned:
+        print("\n# fastest launches, as TUNED entries of the kernels' modules:")
+        print("\n".join(tuned))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return rows

@@ -6,10 +6,12 @@ fly, weights e4m3 with block or per-channel scales.
 - w8a8_block_gemm: e4m3 x with its group scales @ an e4m3 weight [N, K] whose scale covers a
   [block_n, block_k] tile (block_k = the activations' group): each K step's fp8 product is
   scaled by the row's and the tile's scale and summed in fp32. A per-channel weight is the
-  block (1, K). Few rows give few tiles, so K can be split (fp32 partials, one torch sum).
+  block (1, K). Few rows give few tiles, so K can be split (fp32 partials, one summing kernel).
+- block_scaled_mm: torch's scaled matmul with 1x128 activation and 128x128 weight block
+  scales, where this torch and GPU run it (block_scaled_mm_available probes once).
 
-Per-channel weights with many rows go to torch._scaled_mm (cuBLAS / CUTLASS row-wise scaling)
-instead; see nanopaged/quantization/fp8.py.
+With many rows, per-channel weights go to torch._scaled_mm (row-wise scaling) and 128x128
+block weights to block_scaled_mm where available; see nanopaged/quantization/fp8.py.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from nanopaged.kernels.paged_decode import num_sms
+from nanopaged.kernels.w4a16_gemm import sum_splits
 
 try:
     import triton
@@ -77,26 +80,42 @@ class Fp8GemmConfig:
     num_stages: int = 3
 
 
+# Tiles by row count: the first entry whose max rows >= m (split_k 0: split K until about one
+# wave of programs). Edit from `benchmarks/quant_gemm_bench.py --tune`.
+DEFAULT_TILES: tuple[tuple[int, Fp8GemmConfig], ...] = (
+    (16, Fp8GemmConfig(16, 64, 128, split_k=0, num_warps=4, num_stages=4)),
+    (64, Fp8GemmConfig(64, 128, 128, split_k=0, num_warps=4, num_stages=4)),
+    (128, Fp8GemmConfig(64, 128, 128, split_k=1, num_warps=4, num_stages=4)),
+    (1 << 62, Fp8GemmConfig(128, 128, 128, split_k=1, num_warps=8, num_stages=3)),
+)
+# Launches measured best for one (max rows of its tile entry, n, k); override DEFAULT_TILES.
+TUNED: dict[tuple[int, int, int], Fp8GemmConfig] = {}
+
+
 def default_config(m: int, n: int, k: int, group_k: int, num_sms: int = 132) -> Fp8GemmConfig:
-    """Untuned guesses (benchmarks/quant_gemm_bench.py measures them): decode sizes split K
-    until about two programs per SM, larger m takes wide tiles."""
-    block_k = min(128, group_k)
+    """TUNED for this shape if measured, else the DEFAULT_TILES entry of this row count;
+    block_k shrinks to divide the weight's block_k (one scale per K step)."""
+    bucket, tile = next((rows, c) for rows, c in DEFAULT_TILES if m <= rows)
+    config = TUNED.get((bucket, n, k), tile)
+    block_k = min(config.block_k, group_k)
     while group_k % block_k:
         block_k //= 2
-    block_m, block_n, warps = (16, 64, 4) if m <= 16 else (64, 128, 4) if m <= 64 else (
-        128, 128, 8)  # fmt: skip
-    tiles = -(-m // block_m) * -(-n // block_n)
-    split = 1
-    while tiles * split * 2 <= 2 * num_sms and k // (block_k * split * 2) >= 2:
-        split *= 2
-    return Fp8GemmConfig(block_m, block_n, max(block_k, 16), split, warps)
+    block_k = max(block_k, 16)
+    split = config.split_k
+    if split == 0:
+        tiles = -(-m // config.block_m) * -(-n // config.block_n)
+        split = 1
+        while tiles * split * 2 <= num_sms * 5 // 4 and k // (block_k * split * 2) >= 2:
+            split *= 2
+    return Fp8GemmConfig(config.block_m, config.block_n, block_k, split, config.num_warps,
+                         config.num_stages)  # fmt: skip
 
 
 if triton is not None:
 
     @triton.jit
     def _quant_kernel(
-        x_ptr, q_ptr, s_ptr, K, group, stride_xm, stride_qm, stride_sm,
+        x_ptr, q_ptr, s_ptr, K, group, stride_xm, stride_qm, stride_sm, stride_sg,
         FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0)
@@ -107,7 +126,7 @@ if triton is not None:
         scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX_C, MIN_SCALE_C)
         q = tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C)
         tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_ptr + row * stride_sm + g, scale)
+        tl.store(s_ptr + row * stride_sm + g * stride_sg, scale)
 
     @triton.jit
     def _w8a8_block_kernel(
@@ -142,20 +161,78 @@ if triton is not None:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def per_token_group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 [M, K], fp32 scales [M, K / group]) of x [M, K] in one launch."""
+def per_token_group_quant(
+    x: torch.Tensor, group: int, column_major_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [M, K], fp32 scales [M, K / group]) of x [M, K] in one launch; column-major
+    scales (stride (1, M)) are the layout torch's block-scaled matmul reads."""
     m, k = x.shape
     assert k % group == 0 and x.stride(1) == 1, (x.shape, group)
     q = torch.empty(m, k, dtype=FP8, device=x.device)
-    scale = torch.empty(m, k // group, dtype=torch.float32, device=x.device)
+    if column_major_scales:
+        scale = torch.empty(k // group, m, dtype=torch.float32, device=x.device).t()
+    else:
+        scale = torch.empty(m, k // group, dtype=torch.float32, device=x.device)
     if m:
         block = triton.next_power_of_2(group)
         _quant_kernel[(m, k // group)](
-            x, q, scale, k, group, x.stride(0), q.stride(0), scale.stride(0),
+            x, q, scale, k, group, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
             FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE, BLOCK=block,
             num_warps=max(1, min(16, block // 256)),
         )  # fmt: skip
     return q, scale
+
+
+# torch's block-scaled matmul (cuBLAS on Hopper, CUDA >= 12.9) takes exactly 128-wide blocks.
+SCALED_MM_BLOCK = (128, 128)
+_block_scaled_mm_ok: dict[torch.device, bool] = {}
+
+
+def block_scaled_mm_weight_scale(w_scale: torch.Tensor) -> torch.Tensor:
+    """A weight's [N / 128, K / 128] block scales as torch's block-scaled matmul reads them:
+    [K / 128, N / 128] with K / 128 contiguous, that stride padded to 4 floats (16 bytes)."""
+    nb, kb = w_scale.shape
+    padded = torch.zeros(nb, -(-kb // 4) * 4, dtype=torch.float32, device=w_scale.device)
+    padded[:, :kb] = w_scale
+    return padded[:, :kb].t()
+
+
+def block_scaled_mm(
+    xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale_t: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """xq e4m3 [M, K] with column-major x_scale [M, K / 128] @ weight e4m3 [N, K] with
+    w_scale_t from block_scaled_mm_weight_scale, through torch's scaled matmul (1x128 by
+    128x128 block scaling)."""
+    st = torch.nn.functional.ScalingType
+    return torch.nn.functional.scaled_mm(
+        xq, weight.t(), x_scale, st.BlockWise1x128, w_scale_t, st.BlockWise128x128,
+        output_dtype=out_dtype,
+    )  # fmt: skip
+
+
+def block_scaled_mm_available(device: torch.device) -> bool:
+    """Whether this torch and GPU run block_scaled_mm: one probe per device, on tiny inputs,
+    compared with w8a8_block_gemm_ref (an unsupported build raises or computes otherwise)."""
+    device = torch.device(device)
+    if device in _block_scaled_mm_ok:
+        return _block_scaled_mm_ok[device]
+    ok = False
+    if device.type == "cuda" and hasattr(torch.nn.functional, "ScalingType"):
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(32, 256, generator=gen).to(device, torch.bfloat16)
+        w = torch.randn(256, 256, generator=gen).mul(50).clamp(-FP8_MAX, FP8_MAX).to(device, FP8)
+        w_scale = (torch.rand(2, 2, generator=gen) * 1e-2 + 1e-3).to(device)
+        xq, x_scale = per_token_group_quant(x, 128, column_major_scales=True)
+        ref = w8a8_block_gemm_ref(xq, x_scale, w, w_scale, SCALED_MM_BLOCK, torch.float32)
+        try:
+            out = block_scaled_mm(xq, x_scale, w, block_scaled_mm_weight_scale(w_scale),
+                                  torch.bfloat16)  # fmt: skip
+            ok = bool(((out.float() - ref).abs().max() / ref.abs().max()).item() <= 1e-2)
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):
+            ok = False  # a build without block-wise scaling for this GPU
+    _block_scaled_mm_ok[device] = ok
+    return ok
 
 
 def w8a8_block_gemm(
@@ -194,4 +271,4 @@ def w8a8_block_gemm(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    return out[0] if splits == 1 else out.sum(0).to(out_dtype)
+    return out[0] if splits == 1 else sum_splits(out, out_dtype)

@@ -1,10 +1,12 @@
 """y = x W for 4-bit weights in AWQ or GPTQ packing, dequantized in registers (W4A16).
 
 At decode the weight bytes are the step's cost; 4-bit weights are a quarter of bf16's. The
-kernel reads each packed int32 once per tile, unpacks its nibbles with shifts, applies the
-group's zero and scale, and feeds the tensor cores with the 16-bit result: one pass over the
-packed weight, no dequantized copy in memory (the idea Marlin builds on; the layout stays the
-checkpoint's, so loading never repacks).
+kernel loads each packed int32 once per tile (a [BLOCK_K, BLOCK_N / 8] or [BLOCK_K / 8, BLOCK_N]
+tile, contiguous along the fast axis), unpacks its nibbles in registers with shifts over a third
+axis of 8, subtracts the zero and feeds the tensor cores the 16-bit integers; the group's scale
+multiplies the tile's product, not each weight. One pass over the packed weight, no dequantized
+copy in memory (the idea Marlin builds on; the layout stays the checkpoint's, so loading never
+repacks).
 
 - AWQ ("GEMM" version): qweight [K, N/8], eight output columns per int32 in the order
   0, 2, 4, 6, 1, 3, 5, 7 (column j of a pack sits at nibble (j % 2) * 4 + j // 2); qzeros
@@ -17,7 +19,7 @@ checkpoint's, so loading never repacks).
 W[k, n] = (q[k, n] - zero[g(k), n]) * scale[g(k), n]; symmetric weights have zero 8.
 
 Few rows (decode) give few output tiles, so K can be split: each split writes an fp32 partial
-and one torch sum adds them in split order (deterministic).
+and one small kernel adds them in split order (deterministic) and rounds to the output dtype.
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ def w4a16_gemm_ref(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 @dataclass(frozen=True)
 class W4A16Config:
     """Launch parameters; block_k must divide the group size (one scale row per tile) unless
-    the weight carries g_idx."""
+    the weight carries g_idx. split_k 0: split K until about one wave of programs."""
 
     block_m: int
     block_n: int
@@ -123,25 +125,63 @@ class W4A16Config:
     num_stages: int = 3
 
 
-def default_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132) -> W4A16Config:
-    """A launch for x [m, k] and an [k, n] weight: small m splits K until about two programs
-    per SM (decode); large m takes wide tiles for the tensor cores. Untuned guesses to be
-    checked with benchmarks/quant_gemm_bench.py."""
-    block_k = max(16, min(128 if m <= 16 else 64, group_size, k))
-    if m <= 16:
-        block_m, block_n, warps = 16, 64, 4
-    elif m <= 64:
-        block_m, block_n, warps = 32, 128, 4
-    else:
-        block_m, block_n, warps = 64 if m <= 128 else 128, 128, 8
-    tiles = -(-m // block_m) * -(-n // block_n)
+# Tiles by row count: the first entry whose max rows >= m. Edit from
+# `benchmarks/quant_gemm_bench.py --tune`, which prints its best launch per shape in this form.
+DEFAULT_TILES: tuple[tuple[int, W4A16Config], ...] = (
+    (16, W4A16Config(16, 64, 128, split_k=0, num_warps=4, num_stages=3)),
+    (64, W4A16Config(32, 128, 64, split_k=0, num_warps=4, num_stages=3)),
+    (128, W4A16Config(64, 128, 64, split_k=1, num_warps=8, num_stages=3)),
+    (1 << 62, W4A16Config(128, 128, 64, split_k=1, num_warps=8, num_stages=3)),
+)
+# Launches measured best for one (max rows of its tile entry, n, k); override DEFAULT_TILES.
+TUNED: dict[tuple[int, int, int], W4A16Config] = {}
+
+
+def auto_split(tiles: int, k: int, block_k: int, num_sms: int) -> int:
+    """Powers of two while the grid stays within about one wave and each split keeps at least
+    two K steps: few rows give few output tiles, and splitting K fills the GPU."""
     split = 1
-    while tiles * split * 2 <= 2 * num_sms and k // (block_k * split * 2) >= 2:
+    while tiles * split * 2 <= num_sms * 5 // 4 and k // (block_k * split * 2) >= 2:
         split *= 2
-    return W4A16Config(block_m, block_n, block_k, split, warps)
+    return split
+
+
+def default_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132) -> W4A16Config:
+    """The launch for x [m, k] and a [k, n] weight: TUNED for this shape if measured, else the
+    DEFAULT_TILES entry of this row count; block_k shrinks to divide the group size."""
+    bucket, tile = next((rows, c) for rows, c in DEFAULT_TILES if m <= rows)
+    config = TUNED.get((bucket, n, k), tile)
+    block_k = max(16, min(config.block_k, group_size, k))
+    while group_size % block_k and block_k > 16:
+        block_k //= 2
+    split = config.split_k
+    if split == 0:
+        tiles = -(-m // config.block_m) * -(-n // config.block_n)
+        split = auto_split(tiles, k, block_k, num_sms)
+    return W4A16Config(config.block_m, config.block_n, block_k, split, config.num_warps,
+                       config.num_stages)  # fmt: skip
 
 
 if triton is not None:
+
+    @triton.jit
+    def _unpack_cols(packed, AWQ: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+        """[ROWS, COLS / 8] int32 -> [ROWS, COLS] nibbles, eight columns per int32 (AWQ's
+        interleaved order or in sequence): one load per int32, unpacked in registers."""
+        j = tl.arange(0, 8)
+        if AWQ:
+            shifts = ((j % 2) * 4 + j // 2) * 4
+        else:
+            shifts = j * 4
+        q = (packed[:, :, None] >> shifts[None, None, :]) & 0xF
+        return tl.reshape(q, (ROWS, COLS))
+
+    @triton.jit
+    def _unpack_rows(packed, ROWS: tl.constexpr, COLS: tl.constexpr):
+        """[ROWS / 8, COLS] int32 -> [ROWS, COLS] nibbles, eight rows per int32 (GPTQ)."""
+        shifts = tl.arange(0, 8) * 4
+        q = (packed[:, None, :] >> shifts[None, :, None]) & 0xF
+        return tl.reshape(q, (ROWS, COLS))
 
     @triton.jit
     def _w4a16_kernel(
@@ -157,13 +197,11 @@ if triton is not None:
         split = tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # packed columns (AWQ weight, zeros of both layouts) and packed rows (GPTQ weight)
+        offs_pn = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
         mask_m = offs_m < M
         mask_n = offs_n < N
-        # Nibble of each output column in its int32: AWQ's interleaved order, or in sequence.
-        if AWQ:
-            col_shift = ((offs_n % 8) % 2 * 4 + (offs_n % 8) // 2) * 4
-        else:
-            col_shift = (offs_n % 8) * 4
+        mask_pn = offs_pn < N // 8
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_start = split * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
@@ -174,41 +212,70 @@ if triton is not None:
                 x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                 mask=mask_m[:, None] & mask_k[None, :], other=0.0,
             )  # fmt: skip
-            mask_w = mask_k[:, None] & mask_n[None, :]
-            # q: [BLOCK_K, BLOCK_N] 4-bit values
+            # q: [BLOCK_K, BLOCK_N] 4-bit values from [BLOCK_K, BLOCK_N / 8] (AWQ) or
+            # [BLOCK_K / 8, BLOCK_N] (GPTQ) int32s, each read once
             if AWQ:
-                packed = tl.load(qw_ptr + offs_k[:, None] * stride_qw + offs_n[None, :] // 8,
-                                 mask=mask_w, other=0)  # fmt: skip
-                q = (packed >> col_shift[None, :]) & 0xF
+                packed = tl.load(qw_ptr + offs_k[:, None] * stride_qw + offs_pn[None, :],
+                                 mask=mask_k[:, None] & mask_pn[None, :], other=0)  # fmt: skip
+                q = _unpack_cols(packed, True, BLOCK_K, BLOCK_N)
             else:
-                packed = tl.load(qw_ptr + (offs_k[:, None] // 8) * stride_qw + offs_n[None, :],
-                                 mask=mask_w, other=0)  # fmt: skip
-                q = (packed >> ((offs_k % 8) * 4)[:, None]) & 0xF
+                offs_pk = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+                packed = tl.load(qw_ptr + offs_pk[:, None] * stride_qw + offs_n[None, :],
+                                 mask=(offs_pk < k_end // 8)[:, None] & mask_n[None, :],
+                                 other=0)  # fmt: skip
+                q = _unpack_rows(packed, BLOCK_K, BLOCK_N)
             if HAS_G_IDX:
                 # rows of one tile may sit in any group: gather a scale (and zero) per row
+                mask_w = mask_k[:, None] & mask_n[None, :]
                 g = tl.load(g_ptr + offs_k, mask=mask_k, other=0)
                 scale = tl.load(s_ptr + g[:, None] * stride_s + offs_n[None, :], mask=mask_w,
                                 other=0.0).to(tl.float32)  # fmt: skip
                 if HAS_ZEROS:
-                    zp = tl.load(z_ptr + g[:, None] * stride_z + offs_n[None, :] // 8,
-                                 mask=mask_w, other=0)  # fmt: skip
-                    zero = ((zp >> col_shift[None, :]) & 0xF) + zero_offset
+                    zp = tl.load(z_ptr + g[:, None] * stride_z + offs_pn[None, :],
+                                 mask=mask_k[:, None] & mask_pn[None, :], other=0)  # fmt: skip
+                    zero = _unpack_cols(zp, AWQ, BLOCK_K, BLOCK_N) + zero_offset
                 else:
                     zero = 8
+                w = ((q - zero).to(tl.float32) * scale).to(x.dtype)
+                acc += tl.dot(x, w, input_precision=DOT_PRECISION)
             else:
-                # block_k divides the group size: the whole tile is one group
+                # The tile lies in one group: sum_k x (q - zero) scale = (x @ (q - zero)) scale,
+                # so the scale multiplies the [BLOCK_M, BLOCK_N] product once per K step, not
+                # each weight; q - zero in [-15, 15] is exact in 16-bit floats.
                 g = k0 // group_size
                 scale = tl.load(s_ptr + g * stride_s + offs_n, mask=mask_n, other=0.0)
-                scale = scale.to(tl.float32)[None, :]
                 if HAS_ZEROS:
-                    zp = tl.load(z_ptr + g * stride_z + offs_n // 8, mask=mask_n, other=0)
-                    zero = (((zp >> col_shift) & 0xF) + zero_offset)[None, :]
+                    zp = tl.load(z_ptr + g * stride_z + offs_pn, mask=mask_pn, other=0)
+                    zero = tl.reshape(_unpack_cols(zp[None, :], AWQ, 1, BLOCK_N), (BLOCK_N,))
+                    w = (q - (zero + zero_offset)[None, :]).to(x.dtype)
                 else:
-                    zero = 8
-            w = ((q - zero).to(tl.float32) * scale).to(x.dtype)
-            acc += tl.dot(x, w, input_precision=DOT_PRECISION)
+                    w = (q - 8).to(x.dtype)
+                part = tl.dot(x, w, input_precision=DOT_PRECISION)
+                acc += part * scale.to(tl.float32)[None, :]
         out = out_ptr + split * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+    @triton.jit
+    def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+        """out = the fp32 partials [SPLITS, numel] summed in split order (deterministic), cast to
+        out's dtype: one launch instead of a torch sum and a cast."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+        total = tl.load(part_ptr + offs, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLITS):
+            total += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_splits(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[splits, M, N] fp32 partials (contiguous) -> [M, N] of dtype, summed in split order."""
+    splits, m, n = partials.shape
+    assert partials.dtype == torch.float32 and partials.is_contiguous()
+    out = torch.empty(m, n, dtype=dtype, device=partials.device)
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(m * n, block),)](partials, out, m * n, SPLITS=splits,
+                                                      BLOCK=block, num_warps=4)  # fmt: skip
+    return out
 
 
 def _check(x: torch.Tensor, w: Int4Weight, config: W4A16Config) -> None:
@@ -227,7 +294,8 @@ def _check(x: torch.Tensor, w: Int4Weight, config: W4A16Config) -> None:
         assert w.group_size % config.block_k == 0, (w.group_size, config.block_k)
     else:
         assert w.g_idx.dtype == torch.int32 and tuple(w.g_idx.shape) == (k,)
-    assert config.block_k % PACK == 0 and config.block_k >= 16
+    assert config.block_k % PACK == 0 and config.block_k >= 16 and config.split_k >= 1
+    assert config.block_n % PACK == 0 and config.block_n >= 16, config.block_n
 
 
 def w4a16_gemm(x: torch.Tensor, w: Int4Weight, config: W4A16Config | None = None) -> torch.Tensor:
@@ -258,4 +326,4 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, config: W4A16Config | None = None
         DOT_PRECISION=dot_precision(x.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    return out[0] if splits == 1 else out.sum(0).to(x.dtype)
+    return out[0] if splits == 1 else sum_splits(out, x.dtype)

@@ -8,7 +8,8 @@ ones (each packed part broadcast over its rows), so a layer holds either block s
 
 On GPUs of compute capability >= 8.9, activations are quantized per token (per 128-wide
 group for block scales) on the fly and multiplied in FP8 (kernels/fp8_gemm.py; per-channel
-weights at more than DECODE_ROWS rows through torch._scaled_mm's row-wise scaling). Elsewhere
+weights at more than DECODE_ROWS rows through torch._scaled_mm's row-wise scaling, 128x128
+blocks through torch's block-scaled matmul where the build runs it). Elsewhere
 the weight is dequantized at load into the run dtype. Static activation scales (input_scale)
 are not used: dynamic per-token scales are at least as accurate.
 """
@@ -31,7 +32,8 @@ from nanopaged.quantization.base import (
 )
 
 # Rows up to this many take the Triton kernel (split over K for enough programs); more rows
-# take torch._scaled_mm for per-channel weights.
+# take torch._scaled_mm for per-channel weights and torch's block-scaled matmul for 128x128
+# blocks (where the build runs it).
 DECODE_ROWS = 16
 STRATEGIES = ("block", "channel", "tensor")
 
@@ -194,11 +196,24 @@ class Fp8LinearMethod(LinearMethod):
             self.config.strategy != "block" and hasattr(torch, "_scaled_mm")
             and n % 16 == 0 and k % 16 == 0
         )  # fmt: skip
+        # 128x128 blocks at many rows: torch's block-scaled matmul where this build runs it
+        layer.use_block_scaled_mm = (
+            self.config.strategy == "block" and self.config.block == fp8_gemm.SCALED_MM_BLOCK
+            and n % 16 == 0 and k % 128 == 0
+            and fp8_gemm.block_scaled_mm_available(layer.weight.device)
+        )  # fmt: skip
+        layer.scale_t = (
+            fp8_gemm.block_scaled_mm_weight_scale(scale) if layer.use_block_scaled_mm else None
+        )
 
     def apply(self, layer, x):
         x = x.reshape(-1, x.shape[-1])
         x = x if x.stride(-1) == 1 else x.contiguous()
         block = self._block(layer)
+        # the block-scaled matmul writes bf16 (the dtype its probe checked)
+        if layer.use_block_scaled_mm and x.shape[0] > DECODE_ROWS and x.dtype == torch.bfloat16:
+            xq, x_scale = fp8_gemm.per_token_group_quant(x, block[1], column_major_scales=True)
+            return fp8_gemm.block_scaled_mm(xq, x_scale, layer.weight, layer.scale_t, x.dtype)
         xq, x_scale = fp8_gemm.per_token_group_quant(x, block[1])
         if layer.use_scaled_mm and x.shape[0] > DECODE_ROWS:
             # row-wise scaling produces bf16 only

@@ -13,7 +13,12 @@ from nanopaged.kernels.fp8_gemm import (
     FP8,
     FP8_MAX,
     MIN_SCALE,
+    SCALED_MM_BLOCK,
     Fp8GemmConfig,
+    block_scaled_mm,
+    block_scaled_mm_available,
+    block_scaled_mm_weight_scale,
+    default_config,
     dequantize_fp8,
     per_token_group_quant,
     per_token_group_quant_ref,
@@ -59,6 +64,38 @@ def test_quant_kernel_matches_reference(group):
     assert torch.equal(q.float(), q_ref.float())
 
 
+def test_quant_kernel_column_major_scales():
+    """The scales torch's block-scaled matmul reads: the same values, stride (1, M)."""
+    x = torch.randn(7, 384, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    q, scale = per_token_group_quant(x, 128)
+    q_t, scale_t = per_token_group_quant(x, 128, column_major_scales=True)
+    assert scale_t.shape == (7, 3) and scale_t.stride() == (1, 7)
+    assert torch.equal(scale_t, scale) and torch.equal(q_t.float(), q.float())
+
+
+def test_block_scaled_mm_weight_scale_layout():
+    w_scale = torch.rand(6, 3)
+    t = block_scaled_mm_weight_scale(w_scale)
+    assert t.shape == (3, 6) and t.stride() == (1, 4) and torch.equal(t, w_scale.t())
+
+
+def test_block_scaled_mm_probe():
+    """Only a CUDA build that computes it right takes the block-scaled matmul."""
+    assert not block_scaled_mm_available(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 33, 256])
+@pytest.mark.parametrize("block", [(128, 128), (1, 384)], ids=str)
+def test_block_gemm_default_config(m, block):
+    """The launcher's own tiles at each row count (K = 384: three 128-wide steps)."""
+    xq, x_scale, w, w_scale = _operands(m, 72, 384, block, seed=m)
+    config = default_config(m, 72, 384, block[1], num_sms=8)
+    assert block[1] % config.block_k == 0
+    out = w8a8_block_gemm(xq, x_scale, w, w_scale, block, torch.float32, config)
+    ref = w8a8_block_gemm_ref(xq, x_scale, w, w_scale, block, torch.float32)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+
+
 def _operands(m: int, n: int, k: int, block: tuple[int, int], seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen)
@@ -97,6 +134,23 @@ def test_block_gemm_gpu(block, m):
     out = w8a8_block_gemm(xq, x_scale, w, w_scale, block, torch.bfloat16)
     ref = w8a8_block_gemm_ref(xq, x_scale, w, w_scale, block, torch.float32)
     assert ((out.float() - ref).abs().max() / ref.abs().max()).item() <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [17, 256])
+def test_block_scaled_mm_gpu(m):
+    """Where the probe says the build runs it, torch's block-scaled matmul matches the
+    reference on a Qwen3 shape; where it says not, the call fails or computes otherwise."""
+    xq, x_scale, w, w_scale = _operands(m, 6144, 4096, SCALED_MM_BLOCK)
+    x_scale_t = x_scale.t().contiguous().t()
+    ref = w8a8_block_gemm_ref(xq, x_scale, w, w_scale, SCALED_MM_BLOCK, torch.float32)
+    try:
+        out = block_scaled_mm(xq, x_scale_t, w, block_scaled_mm_weight_scale(w_scale),
+                              torch.bfloat16)  # fmt: skip
+        right = ((out.float() - ref).abs().max() / ref.abs().max()).item() <= 1e-2
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        right = False
+    assert right == block_scaled_mm_available(torch.device(DEVICE))
 
 
 @pytest.mark.gpu

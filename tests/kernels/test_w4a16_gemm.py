@@ -14,6 +14,7 @@ from nanopaged.kernels.w4a16_gemm import (
     W4A16Config,
     default_config,
     dequantize_int4,
+    sum_splits,
     w4a16_gemm,
     w4a16_gemm_ref,
 )
@@ -74,6 +75,55 @@ def test_kernel_matches_reference(kind, dtype, m, config):
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     out = w4a16_gemm(x, w, config)
     assert_close(out, w4a16_gemm_ref(x, w))
+
+
+@pytest.mark.parametrize("kind", ["awq", "gptq-sym", "gptq-asym", "gptq-desc_act"])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("m", [1, 3, 16, 33, 256])
+def test_groups_and_rows_with_default_config(kind, group, m):
+    """The launcher's own tiles over group sizes and row counts (K = 384: three groups of 128,
+    twelve of 32; n = 72: nine packs, a ragged last tile)."""
+    w, _ = make_weight(kind, 72, 384, group, seed=group + m)
+    w = to_device(w)
+    x = torch.randn(m, 384, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+    config = default_config(m, 72, 384, group, num_sms=8)
+    assert group % config.block_k == 0
+    assert_close(w4a16_gemm(x, w, config), w4a16_gemm_ref(x, w))
+
+
+@pytest.mark.parametrize("kind", ["awq", "gptq-asym"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        W4A16Config(16, 16, 16, split_k=5),  # five splits of a ragged K, one pack a tile
+        W4A16Config(16, 128, 32, split_k=2),  # a tile wider than the weight
+        W4A16Config(32, 32, 64, split_k=1, num_warps=2),
+    ],
+    ids=str,
+)
+def test_odd_tiles(kind, config):
+    w, _ = make_weight(kind, 24, 320, 64, seed=7)
+    w = to_device(w)
+    x = torch.randn(3, 320, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    assert_close(w4a16_gemm(x, w, config), w4a16_gemm_ref(x, w))
+
+
+def test_sum_splits_in_order():
+    """The split reduction adds partials in split order, then rounds once to the dtype."""
+    parts = torch.randn(3, 5, 40, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    parts[1] *= 1e4
+    for dtype in (torch.float32, torch.float16):
+        out = sum_splits(parts, dtype)
+        ref = ((parts[0] + parts[1]) + parts[2]).to(dtype)
+        assert out.dtype == dtype and torch.equal(out, ref)
+
+
+def test_default_config_splits_k_for_few_rows():
+    """Decode rows split K until about one wave of programs; many rows never split."""
+    one = default_config(1, 4096, 4096, 128, num_sms=132)
+    assert one.split_k >= 2 and 4096 % one.block_k == 0
+    assert default_config(256, 4096, 4096, 128, num_sms=132).split_k == 1
+    assert default_config(1, 64, 64, 32).block_k == 32
 
 
 def test_one_group_and_default_config():
