@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from nanopaged.kernels.paged_decode import num_sms
-from nanopaged.kernels.w4a16_gemm import sum_splits
+from nanopaged.kernels.w4a16_gemm import auto_split, sum_splits
 
 try:
     import triton
@@ -104,9 +104,7 @@ def default_config(m: int, n: int, k: int, group_k: int, num_sms: int = 132) -> 
     split = config.split_k
     if split == 0:
         tiles = -(-m // config.block_m) * -(-n // config.block_n)
-        split = 1
-        while tiles * split * 2 <= num_sms * 5 // 4 and k // (block_k * split * 2) >= 2:
-            split *= 2
+        split = auto_split(tiles, k, block_k, num_sms)
     return Fp8GemmConfig(config.block_m, config.block_n, block_k, split, config.num_warps,
                          config.num_stages)  # fmt: skip
 
