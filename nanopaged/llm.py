@@ -268,8 +268,9 @@ class LLM:
 
     def spec_stats(self) -> SpecStats:
         """Speculative decoding since this LLM started: drafts proposed and accepted, the
-        acceptance rate and the mean accepted length (tokens per verified row)."""
-        return self.llm_engine.spec_stats()
+        acceptance rate and the mean accepted length (tokens per verified row); a copy, which
+        `later.since(earlier)` turns into the counts of the calls between."""
+        return self.llm_engine.spec_stats().copy()
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget the prefix cache (see LLMEngine.reset_prefix_cache)."""

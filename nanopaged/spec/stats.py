@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass
@@ -30,6 +30,22 @@ class SpecStats:
         if not self.num_verify_rows:
             return 0.0
         return 1.0 + self.num_accepted_tokens / self.num_verify_rows
+
+    def copy(self) -> SpecStats:
+        return replace(self)
+
+    def since(self, earlier: SpecStats) -> SpecStats:
+        """The counts added after `earlier` (a copy taken before)."""
+        return SpecStats(
+            num_verify_rows=self.num_verify_rows - earlier.num_verify_rows,
+            num_draft_tokens=self.num_draft_tokens - earlier.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens - earlier.num_accepted_tokens,
+        )
+
+    def describe(self) -> str:
+        return (f"{self.num_draft_tokens} drafts in {self.num_verify_rows} rows, "
+                f"{100 * self.acceptance_rate:.1f}% accepted, "
+                f"{self.mean_accepted_length:.2f} tokens per verified row")  # fmt: skip
 
     def as_dict(self) -> dict[str, float | int]:
         return dict(num_verify_rows=self.num_verify_rows, num_draft_tokens=self.num_draft_tokens,

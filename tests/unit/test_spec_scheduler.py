@@ -147,3 +147,17 @@ def test_speculating_step_never_runs_ahead():
     assert not StepRows.of([seq], speculating=True).run_ahead
     assert seq.row.may_speculate
     assert not _seq(4, logprobs=1).row.may_speculate
+
+
+def test_spec_stats_since_and_lengths():
+    s = _sched([20, 21, 22])
+    seq = _seq(6)
+    _decoding(s, seq)
+    before = s.spec_stats.copy()
+    batch = s.schedule()
+    s.advance(batch)
+    s.commit(batch, [[20, 21, 22, 9]])  # all three accepted, and a bonus token
+    new = s.spec_stats.since(before)
+    assert (new.num_verify_rows, new.num_draft_tokens, new.num_accepted_tokens) == (1, 3, 3)
+    assert new.acceptance_rate == 1.0 and new.mean_accepted_length == 4.0
+    assert before.num_draft_tokens == 0 and "100.0% accepted" in new.describe()
