@@ -321,3 +321,59 @@ def test_smollm2_stop_strings_cut_inside_runs(smol, monkeypatch):
     assert all(o.outputs[0].finish_reason == "stop" for o in want)
     assert any(dropped), dropped  # some stop fell inside a run, before its last token
     assert_all_blocks_free(spec)
+
+
+# ---- the engine fuzz, speculating -----------------------------------------------------------
+def test_fuzz_tight_pools_speculating_match_a_large_pool(tmp_path):
+    """test_engine_fuzz's workloads (beam searches left out: refused) on tight pools with
+    n-gram speculation (k = 3, speculating at any batch size) against a large pool without:
+    the same tokens, finish and stop reasons, and every block free after each workload."""
+    import os
+
+    from test_engine_fuzz import EngineKey, _random_engine, _random_requests
+    from test_engine_fuzz import run as run_workload
+    from tiny_models import add_byte_tokenizer
+
+    from nanopaged import BeamSearchParams
+
+    num_workloads = int(os.environ.get("NANOPAGED_SPEC_FUZZ", "60"))
+    path = make_tiny_model(tmp_path / "m", "llama", vocab_size=512)
+    add_byte_tokenizer(path, 512)
+    spec = {**NGRAM, "num_speculative_tokens": 3, "disable_by_batch_size": None}
+    kwargs = dict(max_model_len=64, max_num_seqs=8, swap_space=0.01)
+    per_block = {bs: LLM(str(path), block_size=bs, kv_cache_memory=1 << 22, **kwargs)
+                 .runner.kv_bytes_per_block for bs in (8, 16)}  # fmt: skip
+    engines: dict[EngineKey | int, LLM] = {}
+
+    def engine(key: EngineKey) -> LLM:
+        if key not in engines:
+            engines[key] = LLM(
+                str(path), block_size=key.block_size, speculative_config=spec,
+                kv_cache_memory=key.num_blocks * per_block[key.block_size],
+                enable_prefix_caching=key.enable_prefix_caching,
+                preemption_mode=key.preemption_mode,
+                max_num_batched_tokens=key.max_num_batched_tokens, **kwargs,
+            )  # fmt: skip
+        return engines[key]
+
+    def reference(block_size: int) -> LLM:
+        if block_size not in engines:
+            engines[block_size] = LLM(str(path), block_size=block_size,
+                                      kv_cache_memory=64 * per_block[16], **kwargs)  # fmt: skip
+        return engines[block_size]
+
+    rng = random.Random(7)
+    tok = reference(8).tokenizer
+    failures, done = [], 0
+    while done < num_workloads:
+        w = _random_requests(rng, tok, _random_engine(rng))
+        if isinstance(w.params, BeamSearchParams):
+            continue
+        done += 1
+        got = run_workload(engine(w.key), w)
+        if got != run_workload(reference(w.key.block_size), w):
+            failures.append((done, w))
+    spec_engines = [e for k, e in engines.items() if isinstance(k, EngineKey)]
+    assert sum(e.scheduler.num_preemptions for e in spec_engines) > num_workloads // 4
+    assert sum(e.spec_stats().num_accepted_tokens for e in spec_engines) > 0
+    assert not failures, f"{len(failures)} of {num_workloads} differ; first: {failures[0]}"
