@@ -43,7 +43,7 @@ from nanopaged.platform import platform_of, resolve_device
 from nanopaged.sampling.output import NonFiniteLogitsError, StepHandle
 from nanopaged.sampling_params import BeamSearchParams, SamplingParams
 from nanopaged.spec import SpecStats, proposer_of
-from nanopaged.spec.stops import drop_after_stop
+from nanopaged.spec.stops import find_stops_token_by_token
 
 # Steps between collections of the garbage collector's young generations.
 GC_YOUNG_EVERY = 64
@@ -511,9 +511,12 @@ class LLMEngine:
         if not watched:
             return []
         finished = []
-        for seq, idx, stop, full in self.stop_matcher.find(watched):
-            if seq.seq_id in num_new_tokens:
-                idx, stop, full = drop_after_stop(seq, num_new_tokens[seq.seq_id], self.tokenizer)
+        hits = []
+        if num_new_tokens:  # speculative decoding: rows that took several tokens at once
+            runs = [s for s in watched if s.seq_id in num_new_tokens]
+            watched = [s for s in watched if s.seq_id not in num_new_tokens]
+            hits = find_stops_token_by_token(self.stop_matcher, runs, num_new_tokens)
+        for seq, idx, stop, full in hits + self.stop_matcher.find(watched):
             p = seq.sampling_params
             seq.text = full[: idx + len(stop)] if p.include_stop_str_in_output else full[:idx]
             if seq.is_finished:  # ended by length or EOS this very step: the string wins

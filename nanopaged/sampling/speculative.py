@@ -28,9 +28,7 @@ class DraftStepHandle(StepHandle):
             tokens, num_accepted, picked = self._copy.result()
             # A row's logit is 0 past its new tokens: the check covers those it emits.
             self._finite = torch.isfinite(picked).all(dim=1)
-            self.outputs = [
-                row[: n + 1] for row, n in zip(tokens.tolist(), num_accepted.tolist())
-            ]
+            self.outputs = [row[: n + 1] for row, n in zip(tokens.tolist(), num_accepted.tolist())]
         if self._finite is not None:
             check_finite(self._finite, self.seqs)
             self._finite = None

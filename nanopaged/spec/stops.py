@@ -1,28 +1,35 @@
-"""Stop strings in a row that got several tokens in one step (speculative decoding): the
-sequence keeps its tokens up to the first that completes a stop string, as it would have
-stopped there had they come one step at a time."""
+"""Stop strings in rows that got several tokens in one step (speculative decoding): their
+tokens go to the stop matcher one at a time, as steps without speculation would have fed them,
+and a sequence keeps its tokens up to the first that completes a stop string."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nanopaged.engine.output_processor import _place_stop as place_stop
-
 if TYPE_CHECKING:
+    from nanopaged.engine.output_processor import StopMatcher
     from nanopaged.engine.sequence import Sequence
 
 
-def drop_after_stop(seq: Sequence, num_new: int, tokenizer) -> tuple[int, str, str]:
-    """Cut seq's tokens after the first of its num_new newest tokens whose output text holds
-    a stop string; returns (index in the output text, the stop string, the output text) at
-    that token. Asked only of a sequence whose full output holds one (StopMatcher.find)."""
-    tokens = seq.token_ids
-    new = tokens[len(tokens) - num_new :]
-    del tokens[len(tokens) - num_new :]
-    for token in new:
-        tokens.append(token)
-        found = place_stop(seq, tokenizer)
-        if found:
-            _, idx, stop, full = found[0]
-            return idx, stop, full
-    raise AssertionError("the full output holds a stop string")  # invariant
+def find_stops_token_by_token(
+    matcher: StopMatcher, seqs: list[Sequence], num_new_tokens: dict[int, int]
+) -> list[tuple[Sequence, int, str, str]]:
+    """matcher.find's answer for seqs whose newest num_new_tokens[seq_id] tokens arrived at
+    once, taking them one at a time; a sequence with a hit keeps its tokens up to the one that
+    completed the stop string (those after it are dropped). A token that leaves the output
+    within min_tokens is not searched (nor would it be: see LLMEngine._check_stop_strings)."""
+    found = []
+    for seq in seqs:
+        tokens = seq.token_ids
+        num_new = num_new_tokens[seq.seq_id]
+        new = tokens[len(tokens) - num_new :]
+        del tokens[len(tokens) - num_new :]
+        for token in new:
+            tokens.append(token)
+            if seq.num_output_tokens <= seq.sampling_params.min_tokens:
+                continue
+            hit = matcher.find([seq])
+            if hit:
+                found += hit
+                break
+    return found
