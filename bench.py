@@ -314,6 +314,7 @@ def _sampling_run(llm, row_prompts, outputs, setting, bw) -> dict:
         for i, m in enumerate(outputs)
     ]
     steps0, ahead0 = llm.scheduler.num_steps, llm.scheduler.num_advanced_steps
+    spec0 = llm.spec_stats()
     torch.cuda.synchronize()
     with new_kernel_variants() as variants:
         t = time.perf_counter()
@@ -323,12 +324,24 @@ def _sampling_run(llm, row_prompts, outputs, setting, bw) -> dict:
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     # Roofline: every sample reads its own KV (shared prompt blocks read once per sample).
     roof_s = decode_roofline_bytes(llm, row_prompts * n, outputs * n) / (bw * 1e12)
+    spec = llm.spec_stats().since(spec0)
     return dict(
+        acceptance_rate=spec.acceptance_rate, mean_accepted_length=spec.mean_accepted_length,
+        num_draft_tokens=spec.num_draft_tokens,
         output_tokens=tokens, seconds=seconds, tok_per_s=tokens / seconds,
         fraction_of_roofline=roof_s / seconds, preemptions=llm.scheduler.num_preemptions,
         async_step_fraction=(llm.scheduler.num_advanced_steps - ahead0)
         / max(1, llm.scheduler.num_steps - steps0), kernel_variants_in_timed_run=variants,
     )  # fmt: skip
+
+
+def sampling_settings(speculative_config: dict | None) -> dict:
+    """SAMPLING_SETTINGS, less those speculative decoding refuses (logprobs) when it is on."""
+    if speculative_config is None:
+        return SAMPLING_SETTINGS
+    refused = [name for name, s in SAMPLING_SETTINGS.items() if "logprobs" in s]
+    print(f"--speculative-config: {', '.join(refused)} left out (speculation refuses logprobs)")
+    return {name: s for name, s in SAMPLING_SETTINGS.items() if name not in refused}
 
 
 def run_sampling(args) -> dict:
@@ -340,7 +353,9 @@ def run_sampling(args) -> dict:
         add_tokenizer(model_dir, QWEN3_0_6B["vocab_size"])
     prompts, outputs = sharegpt_like()
     llm = LLM(str(model_dir), max_model_len=4096, enforce_eager=args.enforce_eager,
-              gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              speculative_config=args.speculative_config)  # fmt: skip
+    settings = sampling_settings(args.speculative_config)
     warm_up(llm, prompts)
     # The whole workload once, untimed: the first timed row (greedy) otherwise paid for kernel
     # variants and allocations the later rows found ready (it measured 13% below them).
@@ -349,19 +364,19 @@ def run_sampling(args) -> dict:
                  use_tqdm=False)  # fmt: skip
     # And each setting briefly, so no row pays a one-time cost inside its timing (the stop
     # strings' token byte table, ~0.3 s at a 152k vocabulary, built at the first request).
-    for setting in SAMPLING_SETTINGS.values():
+    for setting in settings.values():
         setting = {k: v for k, v in setting.items() if k != "seed"}
         llm.generate(warm[:8], SamplingParams(ignore_eos=True, max_tokens=4, **setting),
                      use_tqdm=False)  # fmt: skip
     bw = copy_bandwidth_tbps()
     result = {"device": torch.cuda.get_device_name(), "copy_tb_per_s": bw, "settings": {},
-              "rounds": args.rounds}  # fmt: skip
+              "rounds": args.rounds, "speculative_config": args.speculative_config}  # fmt: skip
     # The settings run in turn, `rounds` times over; each setting's fastest run counts. On a
     # shared machine one run in several loses 1-2 s to long host stalls between steps
     # (launch-to-launch gaps over 20 ms summing 0.3 s in one run of a row and 2.0 s in
     # another, same schedule), which moved single rows by up to 20%.
     for round_index in range(args.rounds):
-        for row_index, (name, setting) in enumerate(SAMPLING_SETTINGS.items()):
+        for row_index, (name, setting) in enumerate(settings.items()):
             # A first token of the run's own: no run's prompts hit blocks an earlier run cached.
             first = 100000 + row_index + round_index * (len(SAMPLING_SETTINGS) + 1)
             row = _sampling_run(llm, [[first, *p] for p in prompts], outputs, setting, bw)
@@ -375,7 +390,10 @@ def run_sampling(args) -> dict:
                 f"{row['tok_per_s']:8.0f} tok/s "
                 f"{100 * row['fraction_of_roofline']:5.1f}% of roofline, "
                 f"{100 * row['async_step_fraction']:3.0f}% async (round {round_index + 1})"
-                + (f"; new kernel variants: {', '.join(new)}" if new else ""),
+                + (f"; new kernel variants: {', '.join(new)}" if new else "")
+                + (f"; {100 * row['acceptance_rate']:.1f}% of {row['num_draft_tokens']} drafts "
+                   f"accepted, {row['mean_accepted_length']:.2f} tokens per verified row"
+                   if args.speculative_config else ""),
                 flush=True,
             )  # fmt: skip
     base = result["settings"]["greedy"]["tok_per_s"]
@@ -410,6 +428,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=2,
                         help="--sampling: runs of each setting, in turn; the fastest counts")
     parser.add_argument("--latency", action="store_true", help="decode step time at batch 1, 8")
+    parser.add_argument("--speculative-config", type=json.loads, default=None,
+                        help="--latency, --sampling: speculative decoding, vLLM's dict as JSON, "
+                             "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'; "
+                             "prints acceptance rate and mean accepted length")  # fmt: skip
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per model")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
@@ -525,6 +547,8 @@ def _latency_args(args) -> list[str]:
     passed += ["--model", args.model] if args.model else []
     passed += ["--model-shape", args.model_shape] if args.model_shape else []
     passed += ["--quantization", *args.quantization] if args.quantization else []
+    if args.speculative_config is not None:
+        passed += ["--speculative-config", json.dumps(args.speculative_config)]
     return passed + ["--enforce-eager"] * args.enforce_eager
 
 

@@ -69,13 +69,14 @@ def gpu_ms_per_step(llm, prompts, params, top: int = 0) -> float:
 
 
 def run_latency(model_dir: Path, batches: list[int], context: int, profile: bool,
-                enforce_eager: bool = False, load_format: str = "auto") -> dict:  # fmt: skip
+                enforce_eager: bool = False, load_format: str = "auto",
+                speculative_config: dict | None = None) -> dict:  # fmt: skip
     import bench
     from nanopaged import LLM, SamplingParams
     from nanopaged.quantization import weight_bytes
 
     llm = LLM(str(model_dir), max_model_len=4096, enforce_eager=enforce_eager,
-              load_format=load_format)  # fmt: skip
+              load_format=load_format, speculative_config=speculative_config)  # fmt: skip
     bw = bench.copy_bandwidth_tbps()
     rng = random.Random(0)
     quant = llm.model_config.quantization
@@ -95,16 +96,20 @@ def run_latency(model_dir: Path, batches: list[int], context: int, profile: bool
             many = SamplingParams(ignore_eos=True, max_tokens=1 + STEPS, **setting)
             _timed_generate(llm, prompts(), many)  # warm-up: graphs, Triton variants
             t1 = min(_timed_generate(llm, prompts(), one) for _ in range(3))
+            spec0 = llm.spec_stats()
             tn = min(_timed_generate(llm, prompts(), many) for _ in range(3))
+            spec = llm.spec_stats().since(spec0)
             step_ms = (tn - t1) / STEPS * 1e3
             row = dict(batch=batch, sampling=name, step_ms=step_ms, bound_ms=bound_ms,
-                       of_bound=bound_ms / step_ms)  # fmt: skip
+                       of_bound=bound_ms / step_ms, speculation=spec.as_dict())  # fmt: skip
             if profile:
                 row["gpu_ms"] = gpu_ms_per_step(llm, prompts(), many, top=15 if batch == 1 else 0)
             result["rows"].append(row)
             gpu = f", GPU busy {row['gpu_ms']:.3f} ms" if profile else ""
             print(f"batch {batch:3d} {name:22s} {step_ms:.3f} ms/step (bound {bound_ms:.3f} ms, "
                   f"{100 * row['of_bound']:.0f}% of it){gpu}", flush=True)  # fmt: skip
+            if speculative_config is not None:
+                print(f"    speculation: {spec.describe()}", flush=True)
     return result
 
 
@@ -131,6 +136,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile", action="store_true", help="GPU kernel time per step")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--speculative-config", type=json.loads, default=None,
+                        help="vLLM's speculative_config dict as JSON; step_ms is then the time "
+                             "per output token")  # fmt: skip
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("the latency benchmark needs CUDA")
@@ -139,7 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
         for quantization in [None, *args.quantization]:
             model_dir = bench.config_only(args.model_shape, quantization)
             runs[quantization or "bf16"] = run_latency(
-                model_dir, args.batch, args.context, args.profile, args.enforce_eager, "dummy"
+                model_dir, args.batch, args.context, args.profile, args.enforce_eager, "dummy",
+                args.speculative_config,
             )
             gc.collect()
             torch.cuda.empty_cache()
@@ -149,7 +158,8 @@ def main(argv: list[str] | None = None) -> dict:
         return runs
     model_dir = Path(args.model) if args.model else bench.random_model(
         bench.QWEN3_0_6B, "qwen3-0.6b", "cuda")  # fmt: skip
-    result = run_latency(model_dir, args.batch, args.context, args.profile, args.enforce_eager)
+    result = run_latency(model_dir, args.batch, args.context, args.profile, args.enforce_eager,
+                         speculative_config=args.speculative_config)  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

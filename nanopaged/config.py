@@ -13,6 +13,7 @@ import torch
 
 from nanopaged.platform import platform_of
 from nanopaged.quantization import QuantConfig, parse_quantization_config
+from nanopaged.spec.config import SpeculativeConfig, speculative_config
 
 PREEMPTION_MODES = ("recompute", "swap")
 LOAD_FORMATS = ("auto", "dummy")
@@ -455,8 +456,11 @@ class EngineConfig:
     # The most logprobs / prompt_logprobs a request may ask for (vLLM's default, 20: the
     # OpenAI API's cap); -1: no cap (a vocabulary-wide request costs vocab x tokens entries).
     max_logprobs: int = 20
+    # Speculative decoding (n-gram or a draft model); None: none.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        self._check_speculative()
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int):
             raise TypeError(f"max_logprobs must be an int, got {type(self.max_logprobs).__name__}")
         if self.max_logprobs < -1:
@@ -520,6 +524,23 @@ class EngineConfig:
         if self.preemption_mode == "swap" and self.swap_space <= 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory)")
 
+    def _check_speculative(self) -> None:
+        spec = self.speculative_config
+        if spec is not None and not isinstance(spec, SpeculativeConfig):
+            raise TypeError(
+                f"speculative_config must be a SpeculativeConfig or None (LLM takes a dict), "
+                f"got {type(spec).__name__}"
+            )
+        if spec is not None and spec.method != "ngram":
+            raise ValueError(
+                f"speculative_config method {spec.method!r} is not supported yet; use 'ngram'"
+            )
+        if spec is not None and self.tensor_parallel_size != 1:
+            raise ValueError(
+                "speculative_config is not supported with tensor_parallel_size > 1, got "
+                f"tensor_parallel_size={self.tensor_parallel_size}"
+            )
+
 
 def _arg(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
@@ -562,6 +583,9 @@ class EngineArgs:
     task: str = _arg("auto", "'auto' or 'generate'")
     disable_log_stats: bool = _arg(True, "accepted; nanopaged logs no periodic stats")
     hf_overrides: dict | None = _arg(None, "config.json fields to override (a JSON object)")
+    speculative_config: dict | None = _arg(
+        None, "speculative decoding: vLLM's speculative_config dict (JSON)"
+    )
 
     @classmethod
     def add_cli_args(cls, parser):
@@ -601,6 +625,7 @@ class EngineArgs:
             kv_cache_dtype=self.kv_cache_dtype,
             calculate_kv_scales=self.calculate_kv_scales,
             max_logprobs=self.max_logprobs,
+            speculative_config=speculative_config(self.speculative_config),
         )
 
     @classmethod

@@ -22,6 +22,7 @@ from nanopaged.inputs import PromptInput
 from nanopaged.outputs import BeamSearchOutput, BeamSearchSequence, LazyLogprobs, RequestOutput
 from nanopaged.sampling.output import NonFiniteLogitsError
 from nanopaged.sampling_params import BeamSearchParams, SamplingParams
+from nanopaged.spec import SpecStats
 
 
 class LLM:
@@ -264,6 +265,12 @@ class LLM:
             s for g in self.scheduler.running for s in g.seqs_with_status(SequenceStatus.RUNNING)
         ]
         return self.block_manager.kv_stats(running)
+
+    def spec_stats(self) -> SpecStats:
+        """Speculative decoding since this LLM started: drafts proposed and accepted, the
+        acceptance rate and the mean accepted length (tokens per verified row); a copy, which
+        `later.since(earlier)` turns into the counts of the calls between."""
+        return self.llm_engine.spec_stats().copy()
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget the prefix cache (see LLMEngine.reset_prefix_cache)."""

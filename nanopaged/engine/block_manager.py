@@ -190,6 +190,16 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
         return True
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back seq's blocks past those that num_tokens tokens fill: room a speculating
+        step took for drafts that were rejected. Those blocks hold no token of seq (nor of a
+        fork of it), so they are seq's alone and in no cache."""
+        keep = self.num_blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            assert self.ref_counts[block_id] == 1 and self.block_hashes[block_id] is None
+            self._decref(block_id)
+
     def _shared_write_block(self, seq: Sequence, num_new_tokens: int) -> int | None:
         """Index in seq's table of the shared block its next token would be written into."""
         i = seq.num_computed_tokens // self.block_size

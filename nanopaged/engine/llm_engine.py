@@ -42,6 +42,8 @@ from nanopaged.outputs import RequestOutput
 from nanopaged.platform import platform_of, resolve_device
 from nanopaged.sampling.output import NonFiniteLogitsError, StepHandle
 from nanopaged.sampling_params import BeamSearchParams, SamplingParams
+from nanopaged.spec import SpecStats, proposer_of
+from nanopaged.spec.stops import find_stops_token_by_token
 
 # Steps between collections of the garbage collector's young generations.
 GC_YOUNG_EVERY = 64
@@ -112,6 +114,7 @@ class LLMEngine:
             self.max_model_len,
             self.eos_token_ids,
             self.config.preemption_mode,
+            *proposer_of(self.config.speculative_config),
         )
         self.processor = InputProcessor(
             self.tokenizer, self.model_dir, self.model_config, self.config, self.max_model_len,
@@ -367,6 +370,10 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def spec_stats(self) -> SpecStats:
+        """Speculative decoding's counts since the engine started (all zero without it)."""
+        return self.scheduler.spec_stats
+
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget the prefix cache; False (nothing forgotten) while requests hold blocks,
         unless reset_running_requests (their blocks are then never hit again)."""
@@ -431,11 +438,14 @@ class LLMEngine:
             if launched is None:
                 raise RuntimeError("the scheduler could not make progress")  # invariant
         batch, handle = launched
-        # A decode row computes the last sampled token; prompts are prefill, however short.
+        # A decode row computes the last sampled token (and its drafts, speculating); prompts
+        # are prefill, however short.
         num_decode = sum(
-            1
-            for seq, n in zip(batch.seqs, batch.num_scheduled_tokens)
-            if n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == len(seq) - 1
+            n
+            for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_scheduled_tokens))
+            if n - batch.num_drafts(i) == 1
+            and seq.num_output_tokens > 0
+            and seq.num_computed_tokens == len(seq) - 1
         )
         ahead = self.may_run_ahead(batch, handle)
         self.scheduler.advance(batch)
@@ -444,7 +454,9 @@ class LLMEngine:
         step = self.scheduler.commit(
             batch, handle.result(), handle.logprobs(), handle.prompt_logprobs()
         )
-        stopped = self._advance_matchers(step.grown) + self._check_stop_strings(step.grown)
+        stopped = self._advance_matchers(step.grown) + self._check_stop_strings(
+            step.grown, step.num_new_tokens
+        )
         self.rates.add(batch.total_tokens - num_decode, num_decode)
         # Two samples of one request can both stop here: each request once.
         done = {g.request_id: g for g in step.finished_groups}
@@ -484,8 +496,12 @@ class LLMEngine:
             # A step cut short leaves the workers out of step; a worker's error wins.
             self.workers.after_error()
 
-    def _check_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Finish sequences whose text now holds a stop string; returns those it finished."""
+    def _check_stop_strings(
+        self, seqs: list[Sequence], num_new_tokens: dict[int, int]
+    ) -> list[Sequence]:
+        """Finish sequences whose text now holds a stop string; returns those it finished.
+        num_new_tokens: seq_id -> tokens appended this step, where more than one (speculative
+        decoding): such a sequence keeps only those up to the first that completes a string."""
         # A stop string may only end in text that appears once min_tokens tokens are out:
         # in the text of a token after the first min_tokens (the first that EOS may be).
         watched = [
@@ -495,7 +511,12 @@ class LLMEngine:
         if not watched:
             return []
         finished = []
-        for seq, idx, stop, full in self.stop_matcher.find(watched):
+        hits = []
+        if num_new_tokens:  # speculative decoding: rows that took several tokens at once
+            runs = [s for s in watched if s.seq_id in num_new_tokens]
+            watched = [s for s in watched if s.seq_id not in num_new_tokens]
+            hits = find_stops_token_by_token(self.stop_matcher, runs, num_new_tokens)
+        for seq, idx, stop, full in hits + self.stop_matcher.find(watched):
             p = seq.sampling_params
             seq.text = full[: idx + len(stop)] if p.include_stop_str_in_output else full[:idx]
             if seq.is_finished:  # ended by length or EOS this very step: the string wins

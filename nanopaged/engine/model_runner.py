@@ -272,7 +272,7 @@ class ModelRunner:
         """
         seqs = batch.seqs
         sampled_seqs = [seqs[i] for i in range(len(seqs)) if batch.samples(i)]
-        rows = self.sampler.rows(sampled_seqs)
+        rows = self.sampler.rows(sampled_seqs, batch.speculating)
         starts = [s.num_computed_tokens for s in seqs]
         tables = self._tables.build(seqs)
         host = host_arrays(batch.num_scheduled_tokens, starts, tables, self.block_size)
@@ -285,7 +285,11 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.step_done()
         pending = None if prev is None else prev.tokens
-        handle = self.sampler.sample(logits, sampled_seqs, rows, pending, eos_token_ids)
+        if batch.draft_token_ids:  # speculative decoding: its rows verify their drafts
+            drafts = batch.sampled_drafts()
+            handle = self.sampler.sample_drafts(logits, sampled_seqs, rows, drafts, eos_token_ids)
+        else:
+            handle = self.sampler.sample(logits, sampled_seqs, rows, pending, eos_token_ids)
         handle.prompt = prompt
         return handle
 

@@ -142,6 +142,9 @@ class InputProcessor:
     ) -> list[Request]:
         """The checked requests of LLM.beam_search's prompts (bookkeeping: the SamplingParams
         their groups carry; beams take candidates from the raw logprobs)."""
+        if self.config.speculative_config is not None:
+            raise ValueError("beam_search cannot be used with speculative_config; run it on an "
+                             "LLM without speculative_config")  # fmt: skip
         prompt_list = normalize_prompts(prompts)
         token_lists = [self.tokenize(p, i) for i, p in enumerate(prompt_list)]
         what = f"beam_width={params.beam_width}"
@@ -312,6 +315,8 @@ class InputProcessor:
             )
         if p.structured_outputs is not None:
             self.check_structured_outputs(p, name)
+        if self.config.speculative_config is not None:
+            self.config.speculative_config.check_params(p, name)
 
     def check_structured_outputs(self, p: SamplingParams, name: str) -> None:
         """A grammar needs the `structured` extra and a tokenizer, and its spec must compile

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from nanopaged.config import PREEMPTION_MODES
 from nanopaged.engine.beam import beam_search_step, finalize_beams
 from nanopaged.engine.block_manager import BlockManager
 from nanopaged.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from nanopaged.sampling.output import SampleOutput, StepLogprobs
+from nanopaged.sampling.rows import is_early, on_host
+from nanopaged.spec.stats import SpecStats
 
 if TYPE_CHECKING:
     from nanopaged.sampling.prompt_logprobs import PromptLogprobRows
@@ -24,6 +26,11 @@ class ScheduledBatch:
     prompt_logprob_spans: (i, first, end) for each sequence i of the step that scores prompt
     positions first..end-1 now (their logits rows predict prompt tokens first+1..end), for
     prompt_logprobs; see prompt_logprob_spans.
+
+    Speculative decoding: speculating says the step runs in speculation mode (its samples must
+    reach the host before the next step's drafts are proposed); draft_token_ids, when not
+    empty, holds each sequence's drafts (d tokens, often none), computed after its last token
+    in the same row: its num_scheduled_tokens counts them (1 + d).
     """
 
     seqs: list[Sequence] = field(default_factory=list)
@@ -32,6 +39,8 @@ class ScheduledBatch:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst)
     prompt_logprob_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    speculating: bool = False
+    draft_token_ids: list[list[int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -44,7 +53,16 @@ class ScheduledBatch:
         """Whether seq i reaches its last token this step, so it gets a new token sampled
         (asked before the step is advanced)."""
         seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_scheduled_tokens[i] == len(seq)
+        n = self.num_scheduled_tokens[i] - self.num_drafts(i)
+        return seq.num_computed_tokens + n == len(seq)
+
+    def sampled_drafts(self) -> list[list[int]]:
+        """The drafts of each sequence that samples, in row order."""
+        return [self.draft_token_ids[i] for i in range(len(self.seqs)) if self.samples(i)]
+
+    def num_drafts(self, i: int) -> int:
+        """Draft tokens that seq i's row carries after its last token."""
+        return len(self.draft_token_ids[i]) if self.draft_token_ids else 0
 
 
 def prompt_logprob_spans(batch: ScheduledBatch) -> list[tuple[int, int, int]]:
@@ -77,6 +95,8 @@ def decodes_first(batch: ScheduledBatch) -> None:
     order += [i for i, n in enumerate(counts) if n != 1]
     batch.seqs = [batch.seqs[i] for i in order]
     batch.num_scheduled_tokens = [counts[i] for i in order]
+    if batch.draft_token_ids:
+        batch.draft_token_ids = [batch.draft_token_ids[i] for i in order]
 
 
 @dataclass
@@ -86,6 +106,18 @@ class StepOutput:
     grown: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
     finished_groups: list[SequenceGroup] = field(default_factory=list)
+    # seq_id -> tokens a speculating row appended, where more than one (stop strings are then
+    # placed at the first token that completes one).
+    num_new_tokens: dict[int, int] = field(default_factory=dict)
+
+
+class Proposer(Protocol):
+    """Drafts for speculative decoding (nanopaged.spec): up to k next tokens per sequence."""
+
+    k: int
+
+    def propose(self, seqs_tokens: list[list[int]], seq_ids: list[int]) -> list[list[int]]: ...
+    def free(self, seq_id: int) -> None: ...
 
 
 class Scheduler:
@@ -107,7 +139,11 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
         preemption_mode: str = "recompute",
+        proposer: Proposer | None = None,
+        disable_by_batch_size: int | None = None,
     ) -> None:
+        """proposer: speculative decoding's drafts (None: no speculation), proposed in steps
+        with at most disable_by_batch_size running sequences (None: in every step)."""
         assert preemption_mode in PREEMPTION_MODES, preemption_mode
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -124,6 +160,9 @@ class Scheduler:
         # The step advanced and not yet committed, if any (see advance).
         self._advanced: ScheduledBatch | None = None
         self.num_steps = 0  # steps scheduled with work in them
+        self.proposer = proposer
+        self.disable_by_batch_size = disable_by_batch_size
+        self.spec_stats = SpecStats()
 
     def add(self, item: Sequence | SequenceGroup) -> SequenceGroup:
         """Queue a request; a bare Sequence becomes a group of one."""
@@ -196,6 +235,8 @@ class Scheduler:
         budget = self._schedule_swapped(batch, budget, preempted)
         if not preempted or not batch.seqs:
             self._schedule_waiting(batch, budget)
+        if self.proposer is not None and batch.seqs:
+            self._propose(batch)
         self.num_advanced_steps += self._advanced is not None
         self.num_steps += bool(batch.seqs)
         if batch.total_tokens != len(batch.seqs):
@@ -325,6 +366,67 @@ class Scheduler:
             hits = hits[: len(seq.prompt_logprobs) // bm.block_size]
         return hits
 
+    # ---- speculative decoding: drafts for the decode rows of a step ----------------------
+    def _propose(self, batch: ScheduledBatch) -> None:
+        """Mark the step speculating when few enough sequences run, and give its decode rows
+        the proposer's drafts within the token budget left and the free blocks (fewer drafts
+        where they run short: drafts never preempt)."""
+        limit = self.disable_by_batch_size
+        if limit is not None and self.num_running_seqs > limit:
+            return
+        batch.speculating = True
+        # A row sampled on the host path (a prompt about to fork into n samples) takes the
+        # whole step there: no drafts beside it.
+        if any(on_host(s) for i, s in enumerate(batch.seqs) if batch.samples(i)):
+            return
+        counts = batch.num_scheduled_tokens
+        rows = [i for i, s in enumerate(batch.seqs) if self._may_draft(s, counts[i])]
+        if not rows:
+            return
+        seqs = [batch.seqs[i] for i in rows]
+        proposals = self.proposer.propose([s.token_ids for s in seqs], [s.seq_id for s in seqs])
+        budget = self.max_num_batched_tokens - batch.total_tokens
+        drafts: list[list[int]] = [[] for _ in batch.seqs]
+        for i, seq, proposal in zip(rows, seqs, proposals):
+            d = min(len(proposal), self._draft_room(seq), budget)
+            if d <= 0:
+                continue
+            ok = self.block_manager.append_slots(seq, 1 + d, batch.blocks_to_copy)
+            assert ok, "_draft_room counted the free blocks"
+            drafts[i] = proposal[:d]
+            batch.num_scheduled_tokens[i] += d
+            budget -= d
+        if any(drafts):
+            batch.draft_token_ids = drafts
+
+    def _may_draft(self, seq: Sequence, num_scheduled: int) -> bool:
+        """Whether seq's row this step is a decode row that may carry drafts: its one token to
+        compute is its last, known on the host, and its drafts would be verified from plain
+        logits (no stop tokens masked at any of its positions: min_tokens is reached)."""
+        group = seq.group
+        return (
+            num_scheduled == 1
+            and seq.pending_row is None
+            and seq.num_computed_tokens == len(seq) - 1
+            and seq.row.may_speculate
+            and not is_early(seq)
+            and (group is None or (group.forked and not group.is_beam_search))
+        )
+
+    def _draft_room(self, seq: Sequence) -> int:
+        """The most drafts seq's row can carry: the proposer's k, no more than would pass
+        max_tokens or max_model_len once all are accepted and one token added, and no more
+        than the free blocks hold past the block its last token goes in."""
+        bm = self.block_manager
+        p = seq.sampling_params
+        room = min(
+            self.proposer.k,
+            p.max_tokens - seq.num_output_tokens - 1,
+            self.max_model_len - len(seq) - 1,
+        )
+        slots = (max(len(seq.block_table), bm.num_blocks_for(len(seq))) + bm.num_free_blocks)
+        return min(room, slots * bm.block_size - len(seq))
+
     # ---- a launched step: advance it (the next may then be planned), commit its samples ----
     def can_look_ahead(self, batch: ScheduledBatch) -> bool:
         """Whether the step after `batch` can be scheduled before its samples are known (asked
@@ -365,7 +467,8 @@ class Scheduler:
             if seq.is_finished:  # ended while this step was in flight: its row is dropped
                 row += samples
                 continue
-            seq.num_computed_tokens += batch.num_scheduled_tokens[i]
+            # A row's drafts count as computed only once accepted (commit).
+            seq.num_computed_tokens += batch.num_scheduled_tokens[i] - batch.num_drafts(i)
             bm.cache_full_blocks(seq)
             if samples:
                 seq.pending_row = row
@@ -382,7 +485,8 @@ class Scheduler:
         for a sample its token (forking samples and stepping beams); finish sequences that stop.
 
         `sampled` holds, in row order, a token id or a SampleOutput for each sequence of the
-        batch that samples; `logprobs`, beside plain token ids, the rows' raw logprobs;
+        batch that samples (in a step with drafts, a list of new tokens: see _append_run);
+        `logprobs`, beside plain token ids, the rows' raw logprobs;
         `prompt_logprobs`, the step's prompt rows' (its prompt_logprob_spans). A sequence that
         finished while the step was in flight was given no row: its sample is dropped.
         """
@@ -391,12 +495,15 @@ class Scheduler:
         step = StepOutput()
         _record_prompt_logprobs(batch, prompt_logprobs)  # before a fork copies them
         beam_results: dict[int, list[tuple[Sequence, SampleOutput]]] = {}
-        for seq in batch.seqs:
+        for i, seq in enumerate(batch.seqs):
             row = seq.pending_row
             if row is None:
                 continue
             seq.pending_row = None
             out = sampled[row]
+            if isinstance(out, list):  # a speculating step's row: 1 .. d + 1 tokens
+                self._append_run(seq, out, batch.num_drafts(i), step)
+                continue
             if not isinstance(out, SampleOutput):  # a plain token id
                 seq.token_ids.append(out)
                 if logprobs is not None:
@@ -420,6 +527,31 @@ class Scheduler:
             self._step_beams(results, step)
         return step
 
+    def _append_run(
+        self, seq: Sequence, tokens: list[int], num_drafts: int, step: StepOutput
+    ) -> None:
+        """Give seq a speculating row's new tokens (its accepted drafts, then the target's
+        correction or bonus token), each checked for a stop in order: the tokens after the first
+        stop are dropped. The accepted drafts' K/V, computed in the row, is then seq's; the
+        blocks that held only rejected drafts' go back."""
+        if num_drafts:
+            self.spec_stats.add(num_drafts, len(tokens) - 1)
+        step.grown.append(seq)
+        for j, token in enumerate(tokens):
+            seq.token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None or j == len(tokens) - 1:
+                break
+        if j:
+            step.num_new_tokens[seq.seq_id] = j + 1
+        if reason is not None:
+            self._finish(seq, reason, step)
+            return
+        seq.num_computed_tokens = len(seq) - 1
+        bm = self.block_manager
+        bm.cache_full_blocks(seq)
+        bm.trim(seq, len(seq))
+
     def _step_beams(
         self, results: list[tuple[Sequence, SampleOutput]], step: StepOutput
     ) -> None:
@@ -442,10 +574,13 @@ class Scheduler:
     def _finish_if_stopped(self, seq: Sequence, step: StepOutput) -> None:
         reason = self._stop_reason(seq, seq.token_ids[-1])
         if reason is not None:
-            self.finish(seq, *reason)
-            step.finished.append(seq)
-            if seq.group is not None and seq.group.is_finished:
-                step.finished_groups.append(seq.group)
+            self._finish(seq, reason, step)
+
+    def _finish(self, seq: Sequence, reason: tuple[str, int | None], step: StepOutput) -> None:
+        self.finish(seq, *reason)
+        step.finished.append(seq)
+        if seq.group is not None and seq.group.is_finished:
+            step.finished_groups.append(seq.group)
 
     def _fork_samples(self, parent: Sequence, out: SampleOutput) -> list[Sequence]:
         """The prompt's first sampling step: parent becomes sample 0, children 1..n-1."""
@@ -479,6 +614,8 @@ class Scheduler:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         self.block_manager.free(seq)
+        if self.proposer is not None:
+            self.proposer.free(seq.seq_id)
         group = seq.group
         if group is not None and group.is_finished and group in self.running:
             self.running.remove(group)
@@ -496,6 +633,8 @@ class Scheduler:
             if not seq.is_finished:
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_reason = "abort"
+            if self.proposer is not None:
+                self.proposer.free(seq.seq_id)
         group.beams_done = True
         for queue in (self.running, self.swapped, self.waiting):
             if group in queue:

@@ -118,18 +118,28 @@ def is_arange(a: np.ndarray, n: int) -> bool:
 def build_step_inputs(
     batch: ScheduledBatch, host: dict[str, np.ndarray], sample_settings: np.ndarray | None
 ) -> StepInputs:
-    """A batch's StepInputs: its input ids (0 where a sample is still on the device), the
-    host arrays of its positions and slots (host, from the attention metadata's builder), its
-    sampled rows, block ops, pending samples and prompt rows."""
+    """A batch's StepInputs: its input ids (0 where a sample is still on the device; a
+    speculating row's drafts after its last token), the host arrays of its positions and slots
+    (host, from the attention metadata's builder), its sampled rows (every position of a row
+    with drafts), block ops, pending samples and prompt rows."""
     seqs = batch.seqs
+    drafts = batch.draft_token_ids
     input_ids: list[int] = []
-    for seq, n in zip(seqs, batch.num_scheduled_tokens):
+    for i, (seq, n) in enumerate(zip(seqs, batch.num_scheduled_tokens)):
         start = seq.num_computed_tokens
+        if drafts and drafts[i]:
+            assert seq.pending_row is None, "drafts follow a known last token"
+            input_ids.extend(seq.token_ids[start:])
+            input_ids.extend(drafts[i])
+            continue
         input_ids.extend(seq.token_ids[start : start + n])
         if start + n > len(seq.token_ids):
             input_ids.append(0)  # a sample still on the device, copied in there
     cu = host["cu_seqlens_q"]
     sampling_rows = [i for i in range(len(seqs)) if batch.samples(i)]
+    logits_indices = (cu[1:] - 1)[sampling_rows].astype(np.int64)
+    if drafts:
+        logits_indices = _verified_rows(batch, sampling_rows, cu)
     # (input position, row of the previous step's samples) of each pending sample
     pending = np.asarray([(int(cu[i + 1]) - 1, s.pending_row) for i, s in enumerate(seqs)
                           if s.pending_row is not None], dtype=np.int64).reshape(-1, 2)  # fmt: skip
@@ -143,7 +153,7 @@ def build_step_inputs(
         tables=host["tables"],
         context_lens=host["context_lens"],
         cu_seqlens_q=cu,
-        logits_indices=(cu[1:] - 1)[sampling_rows].astype(np.int64),
+        logits_indices=logits_indices,
         blocks_to_swap_out=batch.blocks_to_swap_out,
         blocks_to_swap_in=batch.blocks_to_swap_in,
         blocks_to_copy=batch.blocks_to_copy,
@@ -151,6 +161,17 @@ def build_step_inputs(
         pending_src=pending[:, 1].copy(),
         **extra,
     )
+
+
+def _verified_rows(
+    batch: ScheduledBatch, sampling_rows: list[int], cu_seqlens_q: np.ndarray
+) -> np.ndarray:
+    """The logits rows of a step with drafts: each sampled row's last 1 + d positions (its
+    last token, then its d drafts), rows in order."""
+    ends = cu_seqlens_q[1:].astype(np.int64)[sampling_rows]
+    counts = np.asarray([batch.num_drafts(i) + 1 for i in sampling_rows], dtype=np.int64)
+    firsts = np.repeat(ends - counts, counts)
+    return firsts + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _prompt_rows(batch: ScheduledBatch, cu_seqlens_q: np.ndarray) -> dict[str, np.ndarray]:

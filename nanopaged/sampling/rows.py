@@ -36,6 +36,9 @@ class RowClass:
     # Structured outputs: a grammar's token mask each step, filled on the host from the
     # sequence's matcher after its previous token is known (so its steps never run ahead).
     constrained: bool = False
+    # Its decode rows may carry drafts (speculative decoding): rows drawn from plain logits,
+    # with no per-position logprobs, penalties, logit controls or grammar to apply.
+    may_speculate: bool = False
 
 
 def classify(params: SamplingParams, beam: bool = False) -> RowClass:
@@ -50,6 +53,14 @@ def classify(params: SamplingParams, beam: bool = False) -> RowClass:
         host=beam or params.penalties_need_outputs or params.has_logit_controls,
         min_tokens=params.min_tokens,
         constrained=params.structured_outputs is not None,
+        may_speculate=not (
+            beam
+            or params.has_penalties
+            or params.has_logit_controls
+            or params.logprobs is not None
+            or params.prompt_logprobs is not None
+            or params.structured_outputs is not None
+        ),
     )
 
 
@@ -92,15 +103,19 @@ class StepRows:
     # sample their own vocabulary shards (sampling/sharded.py).
     shardable: bool
     # The next step may be planned and launched before this one's samples reach the host:
-    # they stay on the device (no host path) and no row's next mask needs them (no grammar).
+    # they stay on the device (no host path), no row's next mask needs them (no grammar) and
+    # the step does not speculate (the next step's drafts are proposed from its tokens).
     run_ahead: bool
     constrained: bool  # some row has a grammar's mask
     penalties: bool
     early: bool  # some row has its stop tokens masked (min_tokens)
     logprob_widths: list[int | None]
+    # The step runs in speculation mode (ScheduledBatch.speculating): drafts may be proposed
+    # from its samples, so they must reach the host first.
+    speculating: bool = False
 
     @classmethod
-    def of(cls, seqs: list[Sequence]) -> StepRows:
+    def of(cls, seqs: list[Sequence], speculating: bool = False) -> StepRows:
         host = penalties = early = filtered = constrained = False
         widths = []
         for seq in seqs:
@@ -117,11 +132,12 @@ class StepRows:
             host=host,
             graph_safe=graph_safe,
             shardable=graph_safe and not filtered,
-            run_ahead=not (host or constrained),
+            run_ahead=not (host or constrained or speculating),
             constrained=constrained,
             penalties=penalties,
             early=early,
             logprob_widths=widths,
+            speculating=speculating,
         )
 
 

@@ -26,6 +26,7 @@ from nanopaged.sampling.ops import (
 from nanopaged.sampling.output import DeviceSamples, StepHandle
 from nanopaged.sampling.penalties import PenaltyCounts, mask_early_stops, penalize
 from nanopaged.sampling.rows import StepRows, row_stream
+from nanopaged.sampling.speculative import verify_drafts
 
 if TYPE_CHECKING:
     from nanopaged.engine.sequence import Sequence
@@ -49,9 +50,10 @@ class Sampler:
         self._host_masks: torch.Tensor | None = None
 
     @staticmethod
-    def rows(seqs: list[Sequence]) -> StepRows:
-        """What the step's sampled rows need together: the one place it is derived."""
-        return StepRows.of(seqs)
+    def rows(seqs: list[Sequence], speculating: bool = False) -> StepRows:
+        """What the step's sampled rows need together: the one place it is derived
+        (speculating: the step runs in speculation mode, ScheduledBatch.speculating)."""
+        return StepRows.of(seqs, speculating)
 
     def settings(self, seqs: list[Sequence], into: SlotSettings | None = None) -> SamplingTensors:
         """Per-row settings, kept on the device while consecutive steps sample the same
@@ -100,6 +102,27 @@ class Sampler:
             handle = self._sample_logits(logits, seqs, rows, pending, eos_token_ids)
         handle.seqs = seqs
         handle.run_ahead = handle.plain and rows.run_ahead
+        return handle
+
+    def sample_drafts(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        rows: StepRows,
+        drafts: list[list[int]],
+        eos_token_ids: set[int],
+    ) -> StepHandle:
+        """A step with drafts: each sampled row's new tokens (a list of 1 .. d + 1) from its
+        logits rows ([sum(d_i + 1), vocab]: the row's last token's, then one per draft).
+        Its rows are plain (speculation refuses the rest) but for min_tokens, whose rows carry
+        no drafts (Scheduler._may_draft): their one row is masked as usual."""
+        assert not (rows.host or rows.penalties or rows.constrained), rows
+        assert all(w is None for w in rows.logprob_widths), "logprobs are refused"
+        if rows.early:
+            per_row = [s for s, d in zip(seqs, drafts) for _ in range(len(d) + 1)]
+            mask_early_stops(logits, per_row, eos_token_ids)
+        handle = verify_drafts(logits, self.settings(seqs), drafts)
+        handle.seqs = seqs
         return handle
 
     def token_mask(self, seqs: list[Sequence]) -> TokenMask | None:

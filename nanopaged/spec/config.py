@@ -82,6 +82,28 @@ class SpeculativeConfig:
                 f"got {self.model!r}"
             )
 
+    def check_params(self, params: Any, name: str) -> None:
+        """Refuse a request's SamplingParams whose options speculation does not support (the
+        verifying step samples several positions of a row at once from plain logits): ValueError
+        naming the options."""
+        refused = [
+            field
+            for field, used in (
+                ("logprobs", params.logprobs is not None),
+                ("prompt_logprobs", params.prompt_logprobs is not None),
+                ("structured_outputs", params.structured_outputs is not None),
+                ("presence_penalty/frequency_penalty/repetition_penalty", params.has_penalties),
+                ("logit_bias/allowed_token_ids/bad_words", params.has_logit_controls),
+                ("best_of", (params.best_of or params.n) > params.n),
+            )
+            if used
+        ]
+        if refused:
+            raise ValueError(
+                f"{name}: {', '.join(refused)} cannot be used with speculative_config "
+                f"(method {self.method!r}); drop them or run without speculative_config"
+            )
+
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> SpeculativeConfig:
         """The config of vLLM's speculative_config dict: {"method": "ngram",
