@@ -305,7 +305,9 @@ class LLMEngine:
         if not self._compiling:
             return
         if not self.scheduler.has_unfinished():
+            waited = time.perf_counter()
             self._compiling[0][1].result()
+            self._grammars().stats.waited_seconds += time.perf_counter() - waited
         waiting = []
         for group, future in self._compiling:
             if not future.done():

@@ -8,6 +8,7 @@ logprobs in the same pass), the host path for forks, beams and logit controls.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -109,6 +110,7 @@ class Sampler:
         matched = [(s.matcher, i) for i, s in enumerate(seqs) if s.matcher is not None]
         if not matched:
             return None
+        started = time.perf_counter()
         host = self._host_masks
         if host is None or host.shape[0] < len(matched):
             gpu = platform_of(self.device).gpu
@@ -120,6 +122,7 @@ class Sampler:
         # A steps with masks runs synchronously: the buffer's previous copy is done.
         words = host[: len(matched)].to(self.device, non_blocking=True)
         index = pinned(torch.tensor(rows, dtype=torch.int32)).to(self.device, non_blocking=True)
+        self.structured.stats.add_mask_time(started)
         return TokenMask(words, index)
 
     def _sample_logits(
