@@ -416,9 +416,10 @@ class LLMEngine:
 
     def may_run_ahead(self, batch: ScheduledBatch, handle: StepHandle) -> bool:
         """The one decision: may the next step be planned and launched before this one's
-        samples reach the host? Only when its samples stay on the device and no row's next
-        token mask needs them (StepHandle.run_ahead, from the step's rows) and no structural
-        event (fork, copy-on-write, preemption, swap, beam step) needs them first.
+        samples reach the host? Only when its samples stay on the device (StepHandle.run_ahead,
+        from the step's rows) and no structural event (fork, copy-on-write, preemption, swap,
+        beam step) needs them first. Grammar masks hold back only the next step's sampler
+        (StepHandle.sampled): its forward pass runs ahead.
         Prompt logprobs the step scores travel with its samples and are recorded at its commit,
         and the next step scores none of their positions: they hold nothing back."""
         return self.async_scheduling and handle.run_ahead and self.scheduler.can_look_ahead(batch)
@@ -433,6 +434,10 @@ class LLMEngine:
             if launched is None:
                 raise RuntimeError("the scheduler could not make progress")  # invariant
         batch, handle = launched
+        # A step with grammar masks samples now: the matchers took the previous step's tokens
+        # at its commit, while this step's forward pass ran. Its samples are queued before
+        # the next forward pass, which reads them on the device.
+        handle = handle.sampled()
         # A decode row computes the last sampled token; prompts are prefill, however short.
         num_decode = sum(
             1
@@ -471,7 +476,7 @@ class LLMEngine:
         dropped, and nothing of it may still be copying when the engine goes idle."""
         if self._in_flight is not None:
             (_, handle), self._in_flight = self._in_flight, None
-            handle.result()
+            handle.sampled().result()
 
     def _abort_all(self) -> None:
         """After a failed or interrupted step: drop every request and free every block."""
