@@ -186,3 +186,29 @@ def test_abort_while_a_constrained_step_is_in_flight(byte_llama):
     assert "0" not in done and sorted(done) == ["1", "2", "3"]
     assert _outputs([done[str(i)] for i in (1, 2, 3)]) == alone
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_cuda_constrained_steps_run_ahead_and_equal_sync(byte_llama, enforce_eager):
+    # On CUDA (graphs: the forward replays, the masked sampler runs after it): greedy rows
+    # equal the synchronous run's (fp32, the tiny model's logits far apart), seeded rows
+    # follow their grammars, and the constrained steps ran ahead.
+    prompts = _prompts(12, seed=4)
+    params = [SamplingParams(temperature=0 if i % 2 else 0.9, seed=i, max_tokens=96,
+                             n=2 if i % 3 == 0 else 1, structured_outputs=_spec(i))
+              for i in range(len(prompts))]  # fmt: skip
+    runs = {}
+    for async_scheduling in (False, True):
+        llm = LLM(str(byte_llama), dtype="float32", device="cuda", kv_cache_memory=1 << 26,
+                  enforce_eager=enforce_eager, async_scheduling=async_scheduling)  # fmt: skip
+        seen = _spy_run_ahead(llm)
+        runs[async_scheduling] = _outputs(llm.generate(prompts, params, use_tqdm=False))
+        assert (sum(c and a for c, a in seen) > 0.5 * len(seen)) == async_scheduling, seen
+        assert llm.runner.sampler.structured.stats.mask_steps > 0
+        assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    assert [runs[True][i] for i in greedy] == [runs[False][i] for i in greedy]
+    for out in runs[True]:
+        assert all(reason in ("stop", "length") for _, _, reason, _, _ in out)
+    assert sum(c[2] == "stop" for o in runs[True] for c in o) >= 0.9 * sum(map(len, runs[True]))
