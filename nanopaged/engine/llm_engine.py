@@ -324,16 +324,20 @@ class LLMEngine:
         nothing more allows EOS alone: a request that ignores EOS finishes there ("stop");
         returns those it finished."""
         finished = []
-        if self.runner.sampler.structured is None:  # no request ever had a grammar
+        structured = self.runner.sampler.structured
+        if structured is None:  # no request ever had a grammar
             return finished
+        advanced, rows = [], []
         for seq in seqs:
-            matcher = seq.matcher
-            if matcher is None or seq.is_finished:
+            if seq.matcher is None or seq.is_finished:
                 continue
             new = seq.token_ids[seq.num_prompt_tokens + seq.num_matched :]
             seq.num_matched += len(new)
-            matcher.accept_many(new)  # False: an error state, which allows EOS alone
-            if seq.sampling_params.ignore_eos and matcher.is_terminated():
+            advanced.append(seq)
+            rows.append((seq.matcher, new))
+        structured.accept(rows)  # one token each, in parallel on llguidance's threads
+        for seq in advanced:
+            if seq.sampling_params.ignore_eos and seq.matcher.is_terminated():
                 self.scheduler.finish(seq, "stop", None)
                 finished.append(seq)
         return finished

@@ -49,6 +49,7 @@ class Sampler:
         self.structured: StructuredBackend | None = None
         self._host_masks: torch.Tensor | None = None
         self._masks_copied: torch.cuda.Event | None = None  # the last copy out of _host_masks
+        self._copy_stream: torch.cuda.Stream | None = None
 
     @staticmethod
     def rows(seqs: list[Sequence]) -> StepRows:
@@ -147,13 +148,31 @@ class Sampler:
         rows = [-1] * len(seqs)
         for k, (_, i) in enumerate(matched):
             rows[i] = k
-        words = host[: len(matched)].to(self.device, non_blocking=True)
-        index = pinned(torch.tensor(rows, dtype=torch.int32)).to(self.device, non_blocking=True)
-        if words.is_cuda:
-            self._masks_copied = torch.cuda.Event()
-            self._masks_copied.record()
+        index = pinned(torch.tensor(rows, dtype=torch.int32))
+        words, index = self._copy_masks(host[: len(matched)], index)
         self.structured.stats.add_mask_time(started)
         return TokenMask(words, index)
+
+    def _copy_masks(self, words: torch.Tensor, index: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The host masks on the device. On CUDA the copy runs on a stream of its own, beside
+        the forward pass queued before it (several MB at a large vocabulary), and the step's
+        sampler waits for it."""
+        if not platform_of(self.device).gpu:
+            return words, index
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        main = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._copy_stream):
+            words = words.to(self.device, non_blocking=True)
+            index = index.to(self.device, non_blocking=True)
+            self._masks_copied = torch.cuda.Event()
+            self._masks_copied.record()
+        main.wait_stream(self._copy_stream)
+        # Made on the copy stream, read on the main one: not reused before the main one is done.
+        words.record_stream(main)
+        index.record_stream(main)
+        return words, index
 
     def _sample_logits(
         self,

@@ -52,6 +52,16 @@ class StructuredBackend:
         """Fill bitmask[row] for each (matcher, row), in parallel."""
         self.filler.fill(rows, bitmask)
 
+    def accept(self, rows: Sequence[tuple[GrammarMatcher, list[int]]]) -> None:
+        """Advance each (matcher, tokens)'s matcher past its tokens: those with one token (a
+        decode step's) in parallel, the others in turn. A token that breaks a grammar leaves
+        its matcher in the error state, which allows EOS alone."""
+        single = [(m, tokens[0]) for m, tokens in rows if len(tokens) == 1]
+        self.filler.accept_one(single)
+        for matcher, tokens in rows:
+            if len(tokens) > 1:
+                matcher.accept_many(tokens)
+
     def close(self) -> None:
         """Stop the compile threads."""
         self.compiler.close()
