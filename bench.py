@@ -4,7 +4,8 @@ python bench.py [--model PATH] [--compare hf] [--json PATH]      throughput
 python bench.py --kv-cache-dtype fp8 [--json PATH]                the same with bf16 KV, then
                                                                   fp8 KV, in one process
 python bench.py --kernels [--json PATH]                           kernel microbenchmarks
-python bench.py --sampling [--rounds 2] [--json PATH]               ShareGPT-like, 5 settings
+python bench.py --sampling [--rounds 2] [--json PATH]               ShareGPT-like, 7 settings
+                                                                  (2 of them JSON schemas)
 python bench.py --memory                                          KV memory / sharing figures
 python bench.py --latency [--batch 1 8] [--profile]               decode step time, small batches
 python bench.py --load-format dummy --model-shape llama3-70b --tensor-parallel-size 8
@@ -299,48 +300,124 @@ SAMPLING_SETTINGS = {
     "top_k40 min_p0.05": dict(temperature=1.0, top_k=40, min_p=0.05),
     "n=4": dict(temperature=0.8, n=4),
     "logprobs=5 + stop string": dict(temperature=0.8, logprobs=5, stop=["\x00never\x00"]),
+    # Greedy with every row constrained, by one schema for all rows or a schema per row.
+    "json schema (shared)": dict(temperature=0, json="shared"),
+    "json schema (per row)": dict(temperature=0, json="per row"),
 }
 
 
-def _sampling_run(llm, row_prompts, outputs, setting, bw) -> dict:
-    """One timed generate of the sampling workload under one setting."""
-    from nanopaged import SamplingParams
+def bench_schema(row: int, salt: str) -> dict:
+    """The JSON schema of a constrained row: one object shape, with the row's own property
+    names, enum values and bounds (so each row's schema compiles on its own; salt: each run's
+    schemas are its own, their compiles inside its timing). Bounded fields first, free text
+    last, so a row writes until its max_tokens as the greedy row does."""
+    k = f"{salt}_{row}"
+    properties = {
+        f"id_{k}": {"type": "integer", "minimum": row, "maximum": row + 1000},
+        f"kind_{k}": {"enum": [f"a{k}", f"b{k}", f"c{k}"]},
+        f"tags_{k}": {"type": "array", "items": {"type": "string", "maxLength": 8},
+                      "maxItems": 1 + row % 3},
+        f"ok_{k}": {"type": "boolean"},
+        f"text_{k}": {"type": "string"},
+    }  # fmt: skip
+    return {"type": "object", "properties": properties, "required": list(properties),
+            "additionalProperties": False}  # fmt: skip
+
+
+def _setting_params(setting: dict, outputs: list[int], salt: int) -> list:
+    """One SamplingParams per request of the sampling workload under `setting` (salt: the
+    run's, which its schemas carry)."""
+    from nanopaged import SamplingParams, StructuredOutputsParams
 
     setting = dict(setting)
     seeded = setting.pop("seed", False)
+    json_rows = setting.pop("json", None)
+    params = []
+    for i, m in enumerate(outputs):
+        if json_rows is not None:
+            shared = json_rows == "shared"  # a schema no per-row run has
+            schema = bench_schema(0 if shared else i, f"s{salt}" if shared else str(salt))
+            setting["structured_outputs"] = StructuredOutputsParams(json=schema)
+        params.append(SamplingParams(ignore_eos=True, max_tokens=m, seed=i if seeded else None,
+                                     **setting))  # fmt: skip
+    return params
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _structured_figures(llm, started: float) -> dict | None:
+    """The constrained run's grammar compiles and masks (nanopaged.structured.StructuredStats),
+    with the wall time from generate() to its first mask; None when nothing was constrained."""
+    backend = llm.runner.sampler.structured
+    if backend is None or not backend.stats.mask_steps:
+        return None
+    stats = backend.stats
+    return dict(stats.summary(), first_mask_after_s=stats.first_mask_at - started)
+
+
+def _sampling_run(llm, row_prompts, outputs, setting, bw, salt: int) -> dict:
+    """One timed generate of the sampling workload under one setting (bw: the device's copy
+    rate for the roofline, None on a CPU)."""
     n = setting.get("n", 1)
-    params = [
-        SamplingParams(ignore_eos=True, max_tokens=m, seed=i if seeded else None, **setting)
-        for i, m in enumerate(outputs)
-    ]
+    params = _setting_params(setting, outputs, salt)
     steps0, ahead0 = llm.scheduler.num_steps, llm.scheduler.num_advanced_steps
     spec0 = llm.spec_stats()
-    torch.cuda.synchronize()
+    if llm.runner.sampler.structured is not None:
+        llm.runner.sampler.structured.stats.reset()
+    _synchronize()
     with new_kernel_variants() as variants:
         t = time.perf_counter()
         outs = llm.generate(row_prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
+        _synchronize()
         seconds = time.perf_counter() - t
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     # Roofline: every sample reads its own KV (shared prompt blocks read once per sample).
-    roof_s = decode_roofline_bytes(llm, row_prompts * n, outputs * n) / (bw * 1e12)
+    roof_s = None
+    if bw is not None:
+        roof_s = decode_roofline_bytes(llm, row_prompts * n, outputs * n) / (bw * 1e12)
     spec = llm.spec_stats().since(spec0)
-    return dict(
+    row = dict(
         acceptance_rate=spec.acceptance_rate, mean_accepted_length=spec.mean_accepted_length,
         num_draft_tokens=spec.num_draft_tokens,
         output_tokens=tokens, seconds=seconds, tok_per_s=tokens / seconds,
-        fraction_of_roofline=roof_s / seconds, preemptions=llm.scheduler.num_preemptions,
+        fraction_of_roofline=None if roof_s is None else roof_s / seconds,
+        preemptions=llm.scheduler.num_preemptions,
         async_step_fraction=(llm.scheduler.num_advanced_steps - ahead0)
         / max(1, llm.scheduler.num_steps - steps0), kernel_variants_in_timed_run=variants,
     )  # fmt: skip
+    if "json" in setting:
+        row["structured"] = _structured_figures(llm, t)
+        row["finished_stop"] = sum(c.finish_reason == "stop" for o in outs for c in o.outputs)
+    return row
+
+
+def _roofline(row: dict) -> str:
+    fraction = row["fraction_of_roofline"]
+    return "  n/a of roofline" if fraction is None else f"{100 * fraction:5.1f}% of roofline"
+
+
+def _print_structured(name: str, figures: dict | None) -> None:
+    if figures is None:
+        return
+    f = figures
+    print(f"{'':28s} grammars: {f['compiles']} compiled, {1e3 * f['compile_mean_s']:.2f} ms "
+          f"mean, {1e3 * f['compile_max_s']:.2f} ms max, {f['compile_total_s']:.3f} s in all; "
+          f"first mask {f['first_mask_after_s']:.3f} s after generate() "
+          f"({f['waited_for_compile_s']:.3f} s blocked on compiles); masks "
+          f"{f['mask_mean_ms']:.3f} ms/step host (fill + copy launch) over {f['mask_steps']} "
+          "steps", flush=True)  # fmt: skip
 
 
 def sampling_settings(speculative_config: dict | None) -> dict:
-    """SAMPLING_SETTINGS, less those speculative decoding refuses (logprobs) when it is on."""
+    """SAMPLING_SETTINGS, less those speculative decoding refuses (logprobs, grammars) when it
+    is on."""
     if speculative_config is None:
         return SAMPLING_SETTINGS
-    refused = [name for name, s in SAMPLING_SETTINGS.items() if "logprobs" in s]
-    print(f"--speculative-config: {', '.join(refused)} left out (speculation refuses logprobs)")
+    refused = [n for n, s in SAMPLING_SETTINGS.items() if "logprobs" in s or "json" in s]
+    print(f"--speculative-config: {', '.join(refused)} left out (speculation refuses them)")
     return {name: s for name, s in SAMPLING_SETTINGS.items() if name not in refused}
 
 
@@ -348,29 +425,40 @@ def run_sampling(args) -> dict:
     """The sampling workload under each setting, one process, tok/s and roofline fraction."""
     from nanopaged import LLM, SamplingParams
 
-    model_dir = Path(args.model) if args.model else random_model(QWEN3_0_6B, "qwen3-0.6b", "cuda")
+    cuda = torch.cuda.is_available()
+    shape, name = (QWEN3_0_6B, "qwen3-0.6b") if cuda else (TINY, "qwen3-tiny")
+    model_dir = Path(args.model) if args.model else random_model(shape, name, "cuda" if cuda
+                                                                 else "cpu")  # fmt: skip
     if not args.model:
-        add_tokenizer(model_dir, QWEN3_0_6B["vocab_size"])
+        add_tokenizer(model_dir, shape["vocab_size"])
     prompts, outputs = sharegpt_like()
+    # Each run's prompts start with a token of its own, from `base` up.
+    base = 100000
+    kwargs = dict(gpu_memory_utilization=args.gpu_memory_utilization)
+    if not cuda:  # a check that every row runs and prints sane figures, in a minute or two
+        base = 30000
+        prompts = [[t % base for t in p[:128]] for p in prompts[:16]]
+        outputs = [min(m, 64) for m in outputs[:16]]
+        kwargs = dict(device="cpu")
+        print(f"no CUDA: {len(prompts)} requests, inputs <= 128, outputs <= 64, tiny model")
     llm = LLM(str(model_dir), max_model_len=4096, enforce_eager=args.enforce_eager,
-              gpu_memory_utilization=args.gpu_memory_utilization,
-              speculative_config=args.speculative_config)  # fmt: skip
+              speculative_config=args.speculative_config, **kwargs)
     settings = sampling_settings(args.speculative_config)
     warm_up(llm, prompts)
     # The whole workload once, untimed: the first timed row (greedy) otherwise paid for kernel
     # variants and allocations the later rows found ready (it measured 13% below them).
-    warm = [[100000 + len(SAMPLING_SETTINGS), *p] for p in prompts]
+    warm = [[base + len(SAMPLING_SETTINGS), *p] for p in prompts]
     llm.generate(warm, [SamplingParams(ignore_eos=True, max_tokens=m) for m in outputs],
                  use_tqdm=False)  # fmt: skip
     # And each setting briefly, so no row pays a one-time cost inside its timing (the stop
-    # strings' token byte table, ~0.3 s at a 152k vocabulary, built at the first request).
+    # strings' token byte table, ~0.3 s at a 152k vocabulary, built at the first request;
+    # the grammars' tokenizer, at the first constrained one).
     for setting in settings.values():
-        setting = {k: v for k, v in setting.items() if k != "seed"}
-        llm.generate(warm[:8], SamplingParams(ignore_eos=True, max_tokens=4, **setting),
-                     use_tqdm=False)  # fmt: skip
-    bw = copy_bandwidth_tbps()
-    result = {"device": torch.cuda.get_device_name(), "copy_tb_per_s": bw, "settings": {},
-              "rounds": args.rounds, "speculative_config": args.speculative_config}  # fmt: skip
+        llm.generate(warm[:8], _setting_params(setting, [4] * 8, salt=-1), use_tqdm=False)
+    bw = copy_bandwidth_tbps() if cuda else None
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    result = {"device": device, "copy_tb_per_s": bw, "settings": {}, "rounds": args.rounds,
+              "speculative_config": args.speculative_config}  # fmt: skip
     # The settings run in turn, `rounds` times over; each setting's fastest run counts. On a
     # shared machine one run in several loses 1-2 s to long host stalls between steps
     # (launch-to-launch gaps over 20 ms summing 0.3 s in one run of a row and 2.0 s in
@@ -378,8 +466,9 @@ def run_sampling(args) -> dict:
     for round_index in range(args.rounds):
         for row_index, (name, setting) in enumerate(settings.items()):
             # A first token of the run's own: no run's prompts hit blocks an earlier run cached.
-            first = 100000 + row_index + round_index * (len(SAMPLING_SETTINGS) + 1)
-            row = _sampling_run(llm, [[first, *p] for p in prompts], outputs, setting, bw)
+            first = base + row_index + round_index * (len(SAMPLING_SETTINGS) + 1)
+            row = _sampling_run(llm, [[first, *p] for p in prompts], outputs, setting, bw,
+                                salt=round_index)  # fmt: skip
             runs = result["settings"].setdefault(name, {"runs": []})["runs"]
             runs.append(row)
             best = min(runs, key=lambda r: r["seconds"])
@@ -387,8 +476,7 @@ def run_sampling(args) -> dict:
             new = sorted(set(row["kernel_variants_in_timed_run"]))
             print(
                 f"{name:28s} {row['output_tokens']:7d} tok {row['seconds']:6.2f} s "
-                f"{row['tok_per_s']:8.0f} tok/s "
-                f"{100 * row['fraction_of_roofline']:5.1f}% of roofline, "
+                f"{row['tok_per_s']:8.0f} tok/s {_roofline(row)}, "
                 f"{100 * row['async_step_fraction']:3.0f}% async (round {round_index + 1})"
                 + (f"; new kernel variants: {', '.join(new)}" if new else "")
                 + (f"; {100 * row['acceptance_rate']:.1f}% of {row['num_draft_tokens']} drafts "
@@ -396,12 +484,13 @@ def run_sampling(args) -> dict:
                    if args.speculative_config else ""),
                 flush=True,
             )  # fmt: skip
+            _print_structured(name, row.get("structured"))
     base = result["settings"]["greedy"]["tok_per_s"]
     print(f"fastest of {args.rounds} run(s) each:")
     for name, row in result["settings"].items():
         row["of_greedy"] = row["tok_per_s"] / base
-        print(f"{name:28s} {row['tok_per_s']:8.0f} tok/s {100 * row['fraction_of_roofline']:5.1f}% "
-              f"of roofline  {row['of_greedy']:.2f}x of greedy")  # fmt: skip
+        print(f"{name:28s} {row['tok_per_s']:8.0f} tok/s {_roofline(row)}  "
+              f"{row['of_greedy']:.2f}x of greedy")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result
@@ -424,7 +513,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default=None, help="write every figure here")
     parser.add_argument("--kernels", action="store_true", help="kernel microbenchmarks")
     parser.add_argument("--memory", action="store_true", help="KV memory and sharing figures")
-    parser.add_argument("--sampling", action="store_true", help="ShareGPT-like, 5 samplings")
+    parser.add_argument("--sampling", action="store_true", help="ShareGPT-like, 7 samplings")
     parser.add_argument("--rounds", type=int, default=2,
                         help="--sampling: runs of each setting, in turn; the fastest counts")
     parser.add_argument("--latency", action="store_true", help="decode step time at batch 1, 8")

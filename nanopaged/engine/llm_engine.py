@@ -308,7 +308,9 @@ class LLMEngine:
         if not self._compiling:
             return
         if not self.scheduler.has_unfinished():
+            waited = time.perf_counter()
             self._compiling[0][1].result()
+            self._grammars().stats.waited_seconds += time.perf_counter() - waited
         waiting = []
         for group, future in self._compiling:
             if not future.done():
@@ -325,16 +327,20 @@ class LLMEngine:
         nothing more allows EOS alone: a request that ignores EOS finishes there ("stop");
         returns those it finished."""
         finished = []
-        if self.runner.sampler.structured is None:  # no request ever had a grammar
+        structured = self.runner.sampler.structured
+        if structured is None:  # no request ever had a grammar
             return finished
+        advanced, rows = [], []
         for seq in seqs:
-            matcher = seq.matcher
-            if matcher is None or seq.is_finished:
+            if seq.matcher is None or seq.is_finished:
                 continue
             new = seq.token_ids[seq.num_prompt_tokens + seq.num_matched :]
             seq.num_matched += len(new)
-            matcher.accept_many(new)  # False: an error state, which allows EOS alone
-            if seq.sampling_params.ignore_eos and matcher.is_terminated():
+            advanced.append(seq)
+            rows.append((seq.matcher, new))
+        structured.accept(rows)  # one token each, in parallel on llguidance's threads
+        for seq in advanced:
+            if seq.sampling_params.ignore_eos and seq.matcher.is_terminated():
                 self.scheduler.finish(seq, "stop", None)
                 finished.append(seq)
         return finished
@@ -421,9 +427,10 @@ class LLMEngine:
 
     def may_run_ahead(self, batch: ScheduledBatch, handle: StepHandle) -> bool:
         """The one decision: may the next step be planned and launched before this one's
-        samples reach the host? Only when its samples stay on the device and no row's next
-        token mask needs them (StepHandle.run_ahead, from the step's rows) and no structural
-        event (fork, copy-on-write, preemption, swap, beam step) needs them first.
+        samples reach the host? Only when its samples stay on the device (StepHandle.run_ahead,
+        from the step's rows) and no structural event (fork, copy-on-write, preemption, swap,
+        beam step) needs them first. Grammar masks hold back only the next step's sampler
+        (StepHandle.sampled): its forward pass runs ahead.
         Prompt logprobs the step scores travel with its samples and are recorded at its commit,
         and the next step scores none of their positions: they hold nothing back."""
         return self.async_scheduling and handle.run_ahead and self.scheduler.can_look_ahead(batch)
@@ -438,6 +445,10 @@ class LLMEngine:
             if launched is None:
                 raise RuntimeError("the scheduler could not make progress")  # invariant
         batch, handle = launched
+        # A step with grammar masks samples now: the matchers took the previous step's tokens
+        # at its commit, while this step's forward pass ran. Its samples are queued before
+        # the next forward pass, which reads them on the device.
+        handle = handle.sampled()
         # A decode row computes the last sampled token (and its drafts, speculating); prompts
         # are prefill, however short.
         num_decode = sum(
@@ -481,7 +492,7 @@ class LLMEngine:
         dropped, and nothing of it may still be copying when the engine goes idle."""
         if self._in_flight is not None:
             (_, handle), self._in_flight = self._in_flight, None
-            handle.result()
+            handle.sampled().result()
 
     def _abort_all(self) -> None:
         """After a failed or interrupted step: drop every request and free every block."""

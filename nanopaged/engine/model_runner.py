@@ -259,7 +259,7 @@ class ModelRunner:
     ) -> list[int] | list[SampleOutput]:
         """Compute the batch's scheduled tokens; returns a token for each sequence that samples
         (a SampleOutput each when a fork, a beam, logprobs or penalties are involved)."""
-        return self.launch(batch, eos_token_ids).result()
+        return self.launch(batch, eos_token_ids).sampled().result()
 
     @torch.inference_mode()
     def launch(
@@ -268,7 +268,8 @@ class ModelRunner:
         """Queue the batch's forward pass and sampling on the device without waiting for them.
 
         Sequences whose newest token is still pending take it from `prev`'s sampled tokens on the
-        device (asynchronous scheduling).
+        device (asynchronous scheduling); a step with grammar masks queues its sampler later
+        (StepHandle.sampled).
         """
         seqs = batch.seqs
         sampled_seqs = [seqs[i] for i in range(len(seqs)) if batch.samples(i)]

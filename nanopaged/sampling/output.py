@@ -5,6 +5,7 @@ infinite logits decided a row's token."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -155,6 +156,10 @@ class StepHandle:
     the same asynchronous copy as its tokens; so do the prompt logprobs of the prompt rows it
     scored (prompt), and each row's sampled logit, which result() checks before it hands out a
     token (NonFiniteLogitsError).
+
+    A step with structured outputs' rows is launched with its sampler deferred (deferred): its
+    forward pass is queued, and its sampler waits until the engine has advanced the rows'
+    matchers through the previous step's tokens (sampled()).
     """
 
     def __init__(self, outputs: list | None = None) -> None:
@@ -173,6 +178,27 @@ class StepHandle:
         # Whether the next step may be launched before these samples reach the host (set by
         # the Sampler from the step's rows: StepRows.run_ahead).
         self.run_ahead = False
+        # A deferred sampler (see deferred) until sampled() runs it; then the handle it made.
+        self._sampler: Callable[[], StepHandle] | None = None
+        self._sampled: StepHandle | None = None
+
+    @classmethod
+    def deferred(cls, sampler: Callable[[], StepHandle]) -> StepHandle:
+        """A launched step whose forward pass is queued and whose sampler waits: sampler()
+        fills the rows' masks from their matchers, queues the sampling and returns the
+        samples' handle (see sampled)."""
+        handle = cls()
+        handle._sampler = sampler
+        return handle
+
+    def sampled(self) -> StepHandle:
+        """The handle of the step's samples: this one, or for a deferred sampler the one it
+        returns, run at the first call (the engine calls it once every sequence's matcher
+        took the tokens of the steps before)."""
+        if self._sampler is not None:
+            self._sampled, self._sampler = self._sampler(), None
+            self._sampled.prompt = self.prompt
+        return self if self._sampled is None else self._sampled
 
     @classmethod
     def copy_to_host(
@@ -212,6 +238,7 @@ class StepHandle:
         """The samples, waiting for the device if needed. Raises NonFiniteLogitsError, at
         every call, when NaN or infinite logits decided the token of a row that is to be
         appended (read only now: a sequence that finished meanwhile drops its row)."""
+        assert self._sampler is None and self._sampled is None, "read the samples' handle"
         if self.outputs is None:
             host = self._copy.result()
             if self._has_logits:

@@ -34,7 +34,7 @@ class RowClass:
     # Stop tokens (and EOS) are masked until this many tokens are out.
     min_tokens: int
     # Structured outputs: a grammar's token mask each step, filled on the host from the
-    # sequence's matcher after its previous token is known (so its steps never run ahead).
+    # sequence's matcher once its previous token is known (its step's sampler waits for it).
     constrained: bool = False
     # Its decode rows may carry drafts (speculative decoding): rows drawn from plain logits,
     # with no per-position logprobs, penalties, logit controls or grammar to apply.
@@ -103,8 +103,9 @@ class StepRows:
     # sample their own vocabulary shards (sampling/sharded.py).
     shardable: bool
     # The next step may be planned and launched before this one's samples reach the host:
-    # they stay on the device (no host path), no row's next mask needs them (no grammar) and
-    # the step does not speculate (the next step's drafts are proposed from its tokens).
+    # they stay on the device (no host path) and the step does not speculate (the next step's
+    # drafts are proposed from its tokens). A grammar's next mask needs them on the host, but
+    # only the next step's sampler waits for it (Sampler.sample), not its forward pass.
     run_ahead: bool
     constrained: bool  # some row has a grammar's mask
     penalties: bool
@@ -132,7 +133,7 @@ class StepRows:
             host=host,
             graph_safe=graph_safe,
             shardable=graph_safe and not filtered,
-            run_ahead=not (host or constrained or speculating),
+            run_ahead=not (host or speculating),
             constrained=constrained,
             penalties=penalties,
             early=early,

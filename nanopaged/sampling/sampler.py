@@ -8,6 +8,7 @@ logprobs in the same pass), the host path for forks, beams and logit controls.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,6 +49,8 @@ class Sampler:
         # constrained request joins) and the host buffer their masks are filled into.
         self.structured: StructuredBackend | None = None
         self._host_masks: torch.Tensor | None = None
+        self._masks_copied: torch.cuda.Event | None = None  # the last copy out of _host_masks
+        self._copy_stream: torch.cuda.Stream | None = None
 
     @staticmethod
     def rows(seqs: list[Sequence], speculating: bool = False) -> StepRows:
@@ -92,7 +95,28 @@ class Sampler:
 
         Every path brings back with each row's token whether finite logits decided it (its
         sampled logit: DeviceSamples; SampleOutput.finite), checked where the step's samples
-        are read (StepHandle.result)."""
+        are read (StepHandle.result).
+
+        Rows with a grammar defer the sampling (StepHandle.deferred): their masks need each
+        matcher past the previous step's token, which may still be on the device while this
+        step's forward pass is queued (asynchronous scheduling). The engine runs the sampler
+        once the matchers took it (StepHandle.sampled), as a synchronous step would have."""
+        if rows.constrained:
+            assert isinstance(logits, torch.Tensor), "masked rows sample outside the graphs"
+            return StepHandle.deferred(
+                lambda: self._sample(logits, seqs, rows, pending, eos_token_ids)
+            )
+        return self._sample(logits, seqs, rows, pending, eos_token_ids)
+
+    @torch.inference_mode()
+    def _sample(
+        self,
+        logits: torch.Tensor | DeviceSamples | None,
+        seqs: list[Sequence],
+        rows: StepRows,
+        pending: torch.Tensor | None,
+        eos_token_ids: set[int],
+    ) -> StepHandle:
         if logits is None:
             handle = StepHandle(outputs=[])
         elif isinstance(logits, DeviceSamples):
@@ -128,22 +152,50 @@ class Sampler:
     def token_mask(self, seqs: list[Sequence]) -> TokenMask | None:
         """The allowed tokens of the rows whose sequence has a grammar, filled on the host now
         (while the device runs the step's forward pass) and copied to the device; None when
-        no row has one."""
-        matched = [(s.matcher, i) for i, s in enumerate(seqs) if s.matcher is not None]
+        no row has one. A sequence that finished while the step was in flight drops its
+        row's token: its row is left unmasked, its matcher unread."""
+        matched = [(s.matcher, i) for i, s in enumerate(seqs)
+                   if s.matcher is not None and not s.is_finished]  # fmt: skip
         if not matched:
             return None
+        started = time.perf_counter()
         host = self._host_masks
         if host is None or host.shape[0] < len(matched):
             gpu = platform_of(self.device).gpu
             host = self._host_masks = self.structured.allocate_bitmask(len(seqs), pin=gpu)
+        elif self._masks_copied is not None:
+            # The buffer's previous copy is done by now (its step's samples were read before
+            # these matchers could advance); the event makes that a checked fact.
+            self._masks_copied.synchronize()
         self.structured.fill([(m, k) for k, (m, _) in enumerate(matched)], host)
         rows = [-1] * len(seqs)
         for k, (_, i) in enumerate(matched):
             rows[i] = k
-        # A steps with masks runs synchronously: the buffer's previous copy is done.
-        words = host[: len(matched)].to(self.device, non_blocking=True)
-        index = pinned(torch.tensor(rows, dtype=torch.int32)).to(self.device, non_blocking=True)
+        index = pinned(torch.tensor(rows, dtype=torch.int32))
+        words, index = self._copy_masks(host[: len(matched)], index)
+        self.structured.stats.add_mask_time(started)
         return TokenMask(words, index)
+
+    def _copy_masks(self, words: torch.Tensor, index: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The host masks on the device. On CUDA the copy runs on a stream of its own, beside
+        the forward pass queued before it (several MB at a large vocabulary), and the step's
+        sampler waits for it."""
+        if not platform_of(self.device).gpu:
+            return words, index
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        main = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._copy_stream):
+            words = words.to(self.device, non_blocking=True)
+            index = index.to(self.device, non_blocking=True)
+            self._masks_copied = torch.cuda.Event()
+            self._masks_copied.record()
+        main.wait_stream(self._copy_stream)
+        # Made on the copy stream, read on the main one: not reused before the main one is done.
+        words.record_stream(main)
+        index.record_stream(main)
+        return words, index
 
     def _sample_logits(
         self,

@@ -16,10 +16,12 @@ from nanopaged.structured.grammar import (
     validate,
 )
 from nanopaged.structured.matcher import GrammarMatcher
+from nanopaged.structured.stats import StructuredStats
 from nanopaged.structured.tokenizer import structured_tokenizer
 
 __all__ = [
     "StructuredBackend",
+    "StructuredStats",
     "BitmaskFiller",
     "CompiledGrammar",
     "GrammarCompiler",

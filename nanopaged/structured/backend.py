@@ -11,6 +11,7 @@ from nanopaged.sampling_params import StructuredOutputsParams
 from nanopaged.structured.bitmask import BitmaskFiller, allocate_bitmask, bitmask_words
 from nanopaged.structured.grammar import CompiledGrammar, GrammarCompiler, validate
 from nanopaged.structured.matcher import GrammarMatcher
+from nanopaged.structured.stats import StructuredStats
 from nanopaged.structured.tokenizer import structured_tokenizer
 
 
@@ -28,7 +29,10 @@ class StructuredBackend:
     ) -> None:
         self.tokenizer = structured_tokenizer(hf_tokenizer, vocab_size, eos_token_ids)
         self.num_words = bitmask_words(self.tokenizer.vocab_size)
-        self.compiler = GrammarCompiler(self.tokenizer, self.num_words, compile_workers)
+        # Compile and mask times, which bench.py reports.
+        self.stats = StructuredStats()
+        self.compiler = GrammarCompiler(self.tokenizer, self.num_words, compile_workers,
+                                        self.stats)  # fmt: skip
         self.filler = BitmaskFiller(self.num_words, fill_threads)
 
     @staticmethod
@@ -47,6 +51,16 @@ class StructuredBackend:
     def fill(self, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: torch.Tensor) -> None:
         """Fill bitmask[row] for each (matcher, row), in parallel."""
         self.filler.fill(rows, bitmask)
+
+    def accept(self, rows: Sequence[tuple[GrammarMatcher, list[int]]]) -> None:
+        """Advance each (matcher, tokens)'s matcher past its tokens: those with one token (a
+        decode step's) in parallel, the others in turn. A token that breaks a grammar leaves
+        its matcher in the error state, which allows EOS alone."""
+        single = [(m, tokens[0]) for m, tokens in rows if len(tokens) == 1]
+        self.filler.accept_one(single)
+        for matcher, tokens in rows:
+            if len(tokens) > 1:
+                matcher.accept_many(tokens)
 
     def close(self) -> None:
         """Stop the compile threads."""

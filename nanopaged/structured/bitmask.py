@@ -23,7 +23,8 @@ def allocate_bitmask(rows: int, num_words: int, pin: bool = False) -> torch.Tens
 
 class BitmaskFiller:
     """Fills the bitmask rows of many matchers in parallel on llguidance's own threads (no
-    GIL held), so the host computes a step's masks while the device runs."""
+    GIL held), so the host computes a step's masks while the device runs; advances many
+    matchers by one token each the same way."""
 
     def __init__(self, num_words: int, num_threads: int | None = None) -> None:
         self.num_words = num_words
@@ -46,3 +47,11 @@ class BitmaskFiller:
         self._executor.unsafe_compute_mask_ptr(
             pairs, bitmask.data_ptr(), 4 * self.num_words, num_rows
         )
+
+    def accept_one(self, rows: Sequence[tuple[GrammarMatcher, int]]) -> list[bool]:
+        """Advance each (matcher, token)'s matcher past its token, in parallel; per row False
+        when the token broke the grammar (see GrammarMatcher.accept). One row per matcher."""
+        if not rows:
+            return []
+        assert len({id(m) for m, _ in rows}) == len(rows), "a matcher twice"
+        return self._executor.consume_token_par([(m._matcher, t) for m, t in rows])

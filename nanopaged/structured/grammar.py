@@ -5,12 +5,14 @@ from __future__ import annotations
 import functools
 import json
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from nanopaged.sampling_params import StructuredOutputsParams
 from nanopaged.structured._llguidance import llguidance
 from nanopaged.structured.matcher import GrammarMatcher
+from nanopaged.structured.stats import StructuredStats
 
 # JSON is generated on one line with the usual spaces after "," and ":": no free whitespace,
 # which a small model can otherwise spend its whole token budget on.
@@ -103,10 +105,17 @@ class GrammarCompiler:
     builds a grammar), keeping the most recent CACHE_SIZE compiled grammars by spec."""
 
     def __init__(
-        self, tokenizer: llguidance.LLTokenizer, num_words: int, max_workers: int = 2
+        self,
+        tokenizer: llguidance.LLTokenizer,
+        num_words: int,
+        max_workers: int = 2,
+        stats: StructuredStats | None = None,
     ) -> None:
+        """stats: where each compile's wall time is counted (default: a StructuredStats of
+        its own)."""
         self.tokenizer = tokenizer
         self.num_words = num_words
+        self.stats = StructuredStats() if stats is None else stats
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="nanopaged-grammar")
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future[CompiledGrammar]] = OrderedDict()
@@ -132,10 +141,13 @@ class GrammarCompiler:
 
     def _compile(self, key: tuple[str, str]) -> CompiledGrammar:
         kind, text = key
+        started = time.perf_counter()
         _validate_key(kind, text)
         initial = llguidance.LLMatcher(self.tokenizer, _grammar_of_key(kind, text), log_level=0)
         if initial.is_error():
             raise _invalid(kind, initial.get_error().strip())
+        # list.append from the pool's threads: atomic under the GIL
+        self.stats.compile_seconds.append(time.perf_counter() - started)
         return CompiledGrammar(kind, initial, self.num_words)
 
     def close(self) -> None:

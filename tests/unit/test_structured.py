@@ -267,6 +267,32 @@ def test_batch_fill_equals_one_by_one(backend, hf_tokenizer):
     assert not torch.equal(bitmask[1], bitmask[5])  # advanced rows differ from fresh ones
 
 
+def test_batch_accept_equals_one_by_one(backend, hf_tokenizer):
+    # A decode step's one token per matcher goes in parallel; longer runs (a prompt's first
+    # tokens after a preemption) in turn: the same places as accept_many, errors included.
+    specs = [StructuredOutputsParams(json=PERSON), StructuredOutputsParams(regex="[a-z]+!")]
+    text = {0: '{"name": "Al', 1: "abc"}
+    batch, alone, rows = [], [], []
+    for i in range(4):
+        spec = specs[i % 2]
+        a, b = (backend.submit(spec).result().matcher() for _ in range(2))
+        tokens = backend_ids(backend, text[i % 2])
+        tokens = tokens[:1] if i < 2 else tokens
+        if i == 3:
+            tokens = tokens + backend_ids(backend, "1")  # breaks the regex: its error state
+        rows.append((a, tokens))
+        b.accept_many(tokens)
+        batch.append(a)
+        alone.append(b)
+    backend.accept(rows)
+    for a, b in zip(batch, alone):
+        assert torch.equal(mask_of(a, backend.num_words), mask_of(b, backend.num_words))
+        assert (a.error is None) == (b.error is None)
+    assert batch[3].error is not None and batch[2].error is None
+    with pytest.raises(AssertionError, match="a matcher twice"):
+        backend.filler.accept_one([(batch[0], 1), (batch[0], 2)])
+
+
 def test_padded_model_vocabulary_ids_are_never_allowed(hf_tokenizer):
     from nanopaged.structured import StructuredBackend
 
