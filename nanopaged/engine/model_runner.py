@@ -286,11 +286,8 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.step_done()
         pending = None if prev is None else prev.tokens
-        if batch.draft_token_ids:  # speculative decoding: its rows verify their drafts
-            drafts = batch.sampled_drafts()
-            handle = self.sampler.sample_drafts(logits, sampled_seqs, rows, drafts, eos_token_ids)
-        else:
-            handle = self.sampler.sample(logits, sampled_seqs, rows, pending, eos_token_ids)
+        drafts = batch.sampled_drafts() if batch.draft_token_ids else None
+        handle = self.sampler.sample(logits, sampled_seqs, rows, pending, eos_token_ids, drafts)
         handle.prompt = prompt
         return handle
 

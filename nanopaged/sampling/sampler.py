@@ -88,10 +88,12 @@ class Sampler:
         rows: StepRows,
         pending: torch.Tensor | None,
         eos_token_ids: set[int],
+        drafts: list[list[int]] | None = None,
     ) -> StepHandle:
         """The step's samples from its logits rows ([len(seqs), vocab]; or its tokens, sampled
         already in the decode graph or in shards; None: nothing samples). pending: the previous
-        step's sampled tokens on the device.
+        step's sampled tokens on the device; drafts: each row's draft tokens, when the step
+        speculates (sample_drafts).
 
         Every path brings back with each row's token whether finite logits decided it (its
         sampled logit: DeviceSamples; SampleOutput.finite), checked where the step's samples
@@ -101,6 +103,8 @@ class Sampler:
         matcher past the previous step's token, which may still be on the device while this
         step's forward pass is queued (asynchronous scheduling). The engine runs the sampler
         once the matchers took it (StepHandle.sampled), as a synchronous step would have."""
+        if drafts is not None:
+            return self.sample_drafts(logits, seqs, rows, drafts, eos_token_ids)
         if rows.constrained:
             assert isinstance(logits, torch.Tensor), "masked rows sample outside the graphs"
             return StepHandle.deferred(
