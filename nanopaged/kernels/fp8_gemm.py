@@ -187,12 +187,13 @@ _block_scaled_mm_ok: dict[torch.device, bool] = {}
 
 
 def block_scaled_mm_weight_scale(w_scale: torch.Tensor) -> torch.Tensor:
-    """A weight's [N / 128, K / 128] block scales as torch's block-scaled matmul reads them:
-    [K / 128, N / 128] with K / 128 contiguous, that stride padded to 4 floats (16 bytes)."""
+    """A weight's [N / 128, K / 128] block scales as cuBLAS's block-scaled matmul reads them:
+    [K / 128 padded to a multiple of 4, N / 128], K blocks contiguous (the shape torch checks
+    on an H100; the padding scales no column of the weight)."""
     nb, kb = w_scale.shape
-    padded = torch.zeros(nb, -(-kb // 4) * 4, dtype=torch.float32, device=w_scale.device)
+    padded = torch.ones(nb, -(-kb // 4) * 4, dtype=torch.float32, device=w_scale.device)
     padded[:, :kb] = w_scale
-    return padded[:, :kb].t()
+    return padded.t()
 
 
 def block_scaled_mm(
@@ -201,12 +202,21 @@ def block_scaled_mm(
 ) -> torch.Tensor:  # fmt: skip
     """xq e4m3 [M, K] with column-major x_scale [M, K / 128] @ weight e4m3 [N, K] with
     w_scale_t from block_scaled_mm_weight_scale, through torch's scaled matmul (1x128 by
-    128x128 block scaling)."""
+    128x128 block scaling). cuBLAS takes a row count that is a multiple of 4: others run
+    with zero rows added (on an H100, 17 rows were refused, 300 ran)."""
+    m, k = xq.shape
+    pad = -m % 4
+    if pad:
+        zeros = torch.zeros(pad, k, dtype=torch.uint8, device=xq.device)  # e4m3 bits of +0
+        xq = torch.cat([xq.view(torch.uint8), zeros]).view(xq.dtype)
+        x_scale = torch.cat([x_scale, x_scale.new_ones(pad, x_scale.shape[1])])
+        x_scale = x_scale.t().contiguous().t()
     st = torch.nn.functional.ScalingType
-    return torch.nn.functional.scaled_mm(
+    out = torch.nn.functional.scaled_mm(
         xq, weight.t(), x_scale, st.BlockWise1x128, w_scale_t, st.BlockWise128x128,
         output_dtype=out_dtype,
     )  # fmt: skip
+    return out[:m] if pad else out
 
 
 def block_scaled_mm_available(device: torch.device) -> bool:
@@ -218,9 +228,10 @@ def block_scaled_mm_available(device: torch.device) -> bool:
     ok = False
     if device.type == "cuda" and hasattr(torch.nn.functional, "ScalingType"):
         gen = torch.Generator().manual_seed(0)
-        x = torch.randn(32, 256, generator=gen).to(device, torch.bfloat16)
-        w = torch.randn(256, 256, generator=gen).mul(50).clamp(-FP8_MAX, FP8_MAX).to(device, FP8)
-        w_scale = (torch.rand(2, 2, generator=gen) * 1e-2 + 1e-3).to(device)
+        # 18 rows and 3 K blocks: both paddings (rows to 4, K blocks to 4) take part
+        x = torch.randn(18, 384, generator=gen).to(device, torch.bfloat16)
+        w = torch.randn(256, 384, generator=gen).mul(50).clamp(-FP8_MAX, FP8_MAX).to(device, FP8)
+        w_scale = (torch.rand(2, 3, generator=gen) * 1e-2 + 1e-3).to(device)
         xq, x_scale = per_token_group_quant(x, 128, column_major_scales=True)
         ref = w8a8_block_gemm_ref(xq, x_scale, w, w_scale, SCALED_MM_BLOCK, torch.float32)
         try:
