@@ -22,6 +22,7 @@ import torch
 
 from nanopaged.kernels.paged_decode import num_sms
 from nanopaged.kernels.w4a16_gemm import auto_split, sum_splits
+from nanopaged.platform import platform_of
 
 try:
     import triton
@@ -226,7 +227,7 @@ def block_scaled_mm_available(device: torch.device) -> bool:
     if device in _block_scaled_mm_ok:
         return _block_scaled_mm_ok[device]
     ok = False
-    if device.type == "cuda" and hasattr(torch.nn.functional, "ScalingType"):
+    if platform_of(device).gpu and hasattr(torch.nn.functional, "ScalingType"):
         gen = torch.Generator().manual_seed(0)
         # 18 rows and 3 K blocks: both paddings (rows to 4, K blocks to 4) take part
         x = torch.randn(18, 384, generator=gen).to(device, torch.bfloat16)
