@@ -72,3 +72,79 @@ def test_target_as_its_own_draft_accepts_everything(models):
     assert stats.acceptance_rate == 1.0
     assert stats.mean_accepted_length > 1 + K - 1
     assert_all_blocks_free(llm)
+
+
+def assert_drafts_both_ways(llm: LLM) -> None:
+    """Some drafts were accepted and some rejected: both paths of the verification ran."""
+    stats = llm.spec_stats()
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+
+
+def test_smaller_draft_gives_the_same_greedy_tokens(models):
+    path = models["target"]
+    prompts = prompts_of(1)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    base, _ = run(path, prompts, params)
+    spec, llm = run(path, prompts, params, spec_of(models["draft"]))
+    assert tokens(spec) == tokens(base)
+    assert_drafts_both_ways(llm)
+    assert_all_blocks_free(llm)
+
+
+def kv_bytes(path) -> int:
+    probe = LLM(str(path), dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory=1 << 22)
+    return probe.runner.kv_bytes_per_block
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_equal_across_preemption(models, mode):
+    path, draft = models["target"], models["draft"]
+    prompts = prompts_of(2, count=8)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    base, _ = run(path, prompts, params)
+    # Shared so that each cache holds about 12 blocks: two or so sequences at a time.
+    budget = 12 * (kv_bytes(path) + kv_bytes(draft))
+    spec, llm = run(path, prompts, params, spec_of(draft), kv_cache_memory=budget,
+                    preemption_mode=mode)  # fmt: skip
+    assert tokens(spec) == tokens(base)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    if mode == "swap":
+        assert llm.llm_engine.scheduler.num_swap_outs > 0
+    assert_drafts_both_ways(llm)
+    assert_all_blocks_free(llm)
+
+
+def test_greedy_equal_with_chunked_prefill(models):
+    path = models["target"]
+    prompts = prompts_of(3)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    base, _ = run(path, prompts, params)
+    # 8 tokens a step: the target's prompts come in chunks, and so does the draft's catch-up.
+    spec, llm = run(path, prompts, params, spec_of(models["draft"]), max_num_batched_tokens=8)
+    assert tokens(spec) == tokens(base)
+    assert_drafts_both_ways(llm)
+    assert_all_blocks_free(llm)
+
+
+def test_n_samples_seeded_and_greedy_equal(models):
+    path = models["target"]
+    prompts = prompts_of(4, count=3)
+    params = [
+        SamplingParams(temperature=0.7, n=3, seed=11, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0, n=2, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=8, n=2, seed=5, max_tokens=30, ignore_eos=True),
+    ]
+    base, _ = run(path, prompts, params)
+    spec, llm = run(path, prompts, params, spec_of(models["draft"]))
+    # Greedy drafts are one-hot: each new token is the plain sampler's draw at its position.
+    assert tokens(spec) == tokens(base)
+    assert llm.spec_stats().num_accepted_tokens > 0
+    assert_all_blocks_free(llm)
+
+
+def test_refusals_name_the_field(models):
+    path = models["target"]
+    with pytest.raises(ValueError, match=r"speculative_config.model must share the target's"):
+        LLM(str(path), dtype="float32", speculative_config=spec_of(models["other_vocab"]))
+    with pytest.raises(ValueError, match=r"speculative_config.model"):
+        LLM(str(path), dtype="float32", speculative_config=spec_of(path.parent / "missing"))
