@@ -531,10 +531,6 @@ class EngineConfig:
                 f"speculative_config must be a SpeculativeConfig or None (LLM takes a dict), "
                 f"got {type(spec).__name__}"
             )
-        if spec is not None and spec.method != "ngram":
-            raise ValueError(
-                f"speculative_config method {spec.method!r} is not supported yet; use 'ngram'"
-            )
         if spec is not None and self.tensor_parallel_size != 1:
             raise ValueError(
                 "speculative_config is not supported with tensor_parallel_size > 1, got "

@@ -43,6 +43,7 @@ from nanopaged.platform import platform_of, resolve_device
 from nanopaged.sampling.output import NonFiniteLogitsError, StepHandle
 from nanopaged.sampling_params import BeamSearchParams, SamplingParams
 from nanopaged.spec import SpecStats, proposer_of
+from nanopaged.spec.draft import DraftProposer
 from nanopaged.spec.stops import find_stops_token_by_token
 
 # Steps between collections of the garbage collector's young generations.
@@ -102,6 +103,7 @@ class LLMEngine:
         self.tokenizer = _checked_tokenizer(a.tokenizer, self.model_dir, a.tokenizer_mode)
         self.eos_token_ids = self._eos_token_ids()
         num_cpu_blocks = self._num_swap_blocks()
+        draft = self._start_draft(a)
         self.runner = self._start_runner(a, num_cpu_blocks)
         self.block_manager = BlockManager(
             self.runner.num_blocks, a.block_size, self.config.enable_prefix_caching,
@@ -114,7 +116,7 @@ class LLMEngine:
             self.max_model_len,
             self.eos_token_ids,
             self.config.preemption_mode,
-            *proposer_of(self.config.speculative_config),
+            *proposer_of(self.config.speculative_config, draft),
         )
         self.processor = InputProcessor(
             self.tokenizer, self.model_dir, self.model_config, self.config, self.max_model_len,
@@ -198,6 +200,18 @@ class LLMEngine:
                 "each); raise swap_space"
             )
         return num_cpu_blocks
+
+    def _start_draft(self, a: EngineArgs) -> DraftProposer | None:
+        """The draft model of a "draft_model" speculative_config, loaded before the target
+        with its share of the KV budget (self.config keeps the target's share)."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        draft, self.config = DraftProposer.start(
+            spec, self.config, self.model_config, self.max_model_len, self.device, self.dtype,
+            self.platform.gpu, self.kv_cache_dtype, a.load_format,
+        )  # fmt: skip
+        return draft
 
     def _start_runner(self, a: EngineArgs, num_cpu_blocks: int) -> ModelRunner:
         """Rank 0's ModelRunner, with the tensor-parallel workers started first (they end with

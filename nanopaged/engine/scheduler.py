@@ -118,6 +118,7 @@ class Proposer(Protocol):
 
     def propose(self, seqs_tokens: list[list[int]], seq_ids: list[int]) -> list[list[int]]: ...
     def free(self, seq_id: int) -> None: ...
+    def free_all(self) -> None: ...
 
 
 class Scheduler:
@@ -208,6 +209,10 @@ class Scheduler:
         bm = self.block_manager
         seqs = group.seqs_with_status(SequenceStatus.RUNNING)
         self.num_preemptions += 1
+        if self.proposer is not None:
+            # A draft model's K/V goes with the target's and is recomputed when it is.
+            for seq in seqs:
+                self.proposer.free(seq.seq_id)
         if self.preemption_mode == "swap" and bm.can_swap_out(seqs):
             batch.blocks_to_swap_out.extend(bm.swap_out(seqs))
             for seq in seqs:
@@ -647,6 +652,8 @@ class Scheduler:
         dropped = list(self.running) + list(self.swapped) + list(self.waiting)
         for group in dropped:
             self.abort(group)
+        if self.proposer is not None:
+            self.proposer.free_all()  # a sequence a failed step left outside the lists too
         return dropped
 
 

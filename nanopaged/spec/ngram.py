@@ -120,3 +120,7 @@ class NgramProposer:
     def free(self, seq_id: int) -> None:
         """Drop the index of a sequence that finished or left (no-op if it has none)."""
         self._indexes.pop(seq_id, None)
+
+    def free_all(self) -> None:
+        """Drop every sequence's index (after a failed step)."""
+        self._indexes.clear()

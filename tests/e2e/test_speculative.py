@@ -251,8 +251,6 @@ def test_unsupported_combinations_are_refused(tiny):
     assert_all_blocks_free(llm)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(str(path), speculative_config=NGRAM, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="not supported yet"):
-        LLM(str(path), speculative_config={"model": str(path), "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(str(path), speculative_config={"method": "ngram", "num_speculative_tokens": 0})
 
