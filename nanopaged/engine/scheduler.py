@@ -646,7 +646,6 @@ class Scheduler:
                 queue.remove(group)
 
     def abort_all(self) -> list[SequenceGroup]:
-        self._advanced = None
         """Drop every queued, running and swapped group, freeing their blocks."""
         self._advanced = None
         dropped = list(self.running) + list(self.swapped) + list(self.waiting)
