@@ -9,8 +9,8 @@ launch) and each row takes a token its mask allows, drawn uniformly (the argmax 
 logits under the mask), then the matchers consume them (StructuredBackend.accept). A request
 leaves at its max_tokens (100..400) or when its grammar is done, and a new one takes its row,
 so lexer states are met for the first time throughout, as in a served batch. Prints the mean
-fill, consume and token_mask ms per step. --share-lexer: every request's matcher copied from
-one compiled grammar (llguidance copies share its lexer and its lock).
+fill, consume and token_mask ms per step. --lanes 1: every request of one schema on one
+lexer (llguidance's copies of a matcher share its lexer and its lock), as before lanes.
 """
 
 from __future__ import annotations
@@ -60,26 +60,20 @@ def pick_tokens(bitmask: np.ndarray, eos: int, rng: random.Random) -> list[int]:
     return tokens
 
 
-def run(backend, sampler, eos: int, rows: int, steps: int, mode: str, share: bool) -> dict:
+def run(backend, sampler, eos: int, rows: int, steps: int, mode: str) -> dict:
     """Drive `rows` requests for `steps` steps; mean ms per step of each phase."""
     import bench
     from nanopaged.sampling_params import StructuredOutputsParams
 
     salt = f"{mode}{rows}{time.perf_counter_ns()}"  # compiles inside this run
-    shared_grammar = None
     rng = random.Random(rows)
     served = 0
 
     def new_row() -> Row:
-        nonlocal served, shared_grammar
+        nonlocal served
         schema = bench.bench_schema(0 if mode == "shared" else served, salt)
         served += 1
-        spec = StructuredOutputsParams(json=schema)
-        if share:
-            shared_grammar = shared_grammar or backend.submit(spec).result()
-            compiled = shared_grammar
-        else:
-            compiled = backend.submit(spec).result()
+        compiled = backend.submit(StructuredOutputsParams(json=schema)).result()
         return Row(compiled.matcher(), rng.randint(100, 400))
 
     batch = [new_row() for _ in range(rows)]
@@ -117,13 +111,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--fill-threads", type=int, default=None,
                         help="llguidance's fill threads (default: its own choice)")  # fmt: skip
-    parser.add_argument("--share-lexer", action="store_true",
-                        help="one compiled grammar's copies for every request")  # fmt: skip
+    parser.add_argument("--lanes", type=int, default=None,
+                        help="lexers per grammar (default: one per fill thread)")  # fmt: skip
     args = parser.parse_args()
 
-    import bench
     from transformers import AutoTokenizer
 
+    import bench
     from nanopaged.sampling.sampler import Sampler
     from nanopaged.structured import StructuredBackend
 
@@ -135,11 +129,13 @@ def main() -> None:
     backend = StructuredBackend(tokenizer, VOCAB, [eos], fill_threads=args.fill_threads)
     sampler = Sampler(VOCAB, torch.device("cpu"))
     sampler.structured = backend
-    print(f"vocab {VOCAB}, fill threads {args.fill_threads or 'llguidance default'}, "
-          f"{args.steps} steps, share lexer: {args.share_lexer}")  # fmt: skip
+    if args.lanes is not None:
+        backend.compiler.num_lanes = args.lanes
+    print(f"vocab {VOCAB}, {backend.filler.num_threads} fill threads, "
+          f"{backend.compiler.num_lanes} lanes, {args.steps} steps")  # fmt: skip
     for rows in args.rows:
         for mode in ("shared", "per row"):
-            r = run(backend, sampler, eos, rows, args.steps, mode, args.share_lexer)
+            r = run(backend, sampler, eos, rows, args.steps, mode)
             print(f"{rows:4d} rows  json schema ({mode:7s})  token_mask {r['token_mask']:7.3f} "
                   f"ms/step  (fill {r['fill']:7.3f})  consume {r['consume']:6.3f} "
                   f"ms/step  ({r['requests']} requests)",

@@ -31,9 +31,11 @@ class StructuredBackend:
         self.num_words = bitmask_words(self.tokenizer.vocab_size)
         # Compile and mask times, which bench.py reports.
         self.stats = StructuredStats()
-        self.compiler = GrammarCompiler(self.tokenizer, self.num_words, compile_workers,
-                                        self.stats)  # fmt: skip
         self.filler = BitmaskFiller(self.num_words, fill_threads)
+        # A lane (a lexer of its own) per fill thread: a grammar shared by many rows fills on
+        # every thread (CompiledGrammar).
+        self.compiler = GrammarCompiler(self.tokenizer, self.num_words, compile_workers,
+                                        self.stats, num_lanes=self.filler.num_threads)  # fmt: skip
 
     @staticmethod
     def validate(spec: StructuredOutputsParams) -> None:

@@ -17,9 +17,12 @@ class GrammarMatcher:
     sequence ends.
     """
 
-    def __init__(self, matcher: llguidance.LLMatcher, num_words: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, num_words: int, lexer: int = 0) -> None:
+        """lexer: which lexer the matcher shares with others (CompiledGrammar's lane); copies
+        keep it. Rows of one lexer fill one at a time (its lock), so a batch is ordered by it."""
         self._matcher = matcher
         self.num_words = num_words  # words of a bitmask row: ceil(vocab_size / 32)
+        self.lexer = lexer
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into bitmask[row] (CPU int32 [rows, num_words]; bit
@@ -61,6 +64,6 @@ class GrammarMatcher:
 
     def copy(self) -> GrammarMatcher:
         """An independent matcher at the same place (a forked sample, a beam)."""
-        return GrammarMatcher(self._matcher.deep_copy(), self.num_words)
+        return GrammarMatcher(self._matcher.deep_copy(), self.num_words, self.lexer)
 
     fork = copy
