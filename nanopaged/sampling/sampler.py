@@ -48,7 +48,7 @@ class Sampler:
         # Structured outputs: the grammars' backend (set by the engine when the first
         # constrained request joins), which holds the host rows their masks are filled into.
         self.structured: StructuredBackend | None = None
-        self._masks_copied: torch.cuda.Event | None = None  # the last copy out of _host_masks
+        self._masks_copied: torch.cuda.Event | None = None  # the last copy of host masks
         self._copy_stream: torch.cuda.Stream | None = None
 
     @staticmethod
