@@ -46,10 +46,9 @@ class Sampler:
         # step that sampled on the device: the next step with the same sequences reuses them.
         self._cache: tuple[tuple, SamplingTensors, list[int]] | None = None
         # Structured outputs: the grammars' backend (set by the engine when the first
-        # constrained request joins) and the host buffer their masks are filled into.
+        # constrained request joins), which holds the host rows their masks are filled into.
         self.structured: StructuredBackend | None = None
-        self._host_masks: torch.Tensor | None = None
-        self._masks_copied: torch.cuda.Event | None = None  # the last copy out of _host_masks
+        self._masks_copied: torch.cuda.Event | None = None  # the last copy of host masks
         self._copy_stream: torch.cuda.Stream | None = None
 
     @staticmethod
@@ -154,29 +153,25 @@ class Sampler:
         return handle
 
     def token_mask(self, seqs: list[Sequence]) -> TokenMask | None:
-        """The allowed tokens of the rows whose sequence has a grammar, filled on the host now
-        (while the device runs the step's forward pass) and copied to the device; None when
-        no row has one. A sequence that finished while the step was in flight drops its
-        row's token: its row is left unmasked, its matcher unread."""
+        """The allowed tokens of the rows whose sequence has a grammar, on the logits' device;
+        None when no row has one. Most were filled on the host while the engine finished the
+        previous step (StructuredBackend.prefetch); the rest are filled now, while the device
+        runs this step's forward pass. A sequence that finished while the step was in flight
+        drops its row's token: its row is left unmasked, its matcher unread."""
         matched = [(s.matcher, i) for i, s in enumerate(seqs)
                    if s.matcher is not None and not s.is_finished]  # fmt: skip
         if not matched:
             return None
         started = time.perf_counter()
-        host = self._host_masks
-        if host is None or host.shape[0] < len(matched):
-            gpu = platform_of(self.device).gpu
-            host = self._host_masks = self.structured.allocate_bitmask(len(seqs), pin=gpu)
-        elif self._masks_copied is not None:
-            # The buffer's previous copy is done by now (its step's samples were read before
-            # these matchers could advance); the event makes that a checked fact.
-            self._masks_copied.synchronize()
-        self.structured.fill([(m, k) for k, (m, _) in enumerate(matched)], host)
+        gpu = platform_of(self.device).gpu
+        host, slots = self.structured.masks([m for m, _ in matched], pin=gpu)
         rows = [-1] * len(seqs)
-        for k, (_, i) in enumerate(matched):
+        for (_, i), k in zip(matched, slots):
             rows[i] = k
         index = pinned(torch.tensor(rows, dtype=torch.int32))
-        words, index = self._copy_masks(host[: len(matched)], index)
+        words, index = self._copy_masks(host, index)
+        # The next prefetch writes the host rows again once this copy has read them.
+        self.structured.stage_read = self._masks_copied if gpu else None
         self.structured.stats.add_mask_time(started)
         return TokenMask(words, index)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -27,31 +28,46 @@ class BitmaskFiller:
     matchers by one token each the same way."""
 
     def __init__(self, num_words: int, num_threads: int | None = None) -> None:
+        """num_threads: llguidance's own default when None (4 in 5 CPUs, at most 32)."""
+        if num_threads is None:
+            num_threads = max(1, min(32, 4 * (os.cpu_count() or 1) // 5))
+        if num_threads < 1:
+            raise ValueError(f"fill_threads must be at least 1, got {num_threads}")
         self.num_words = num_words
+        self.num_threads = num_threads
         self._executor = llguidance.LLExecutor(num_threads=num_threads)
 
     def fill(self, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: torch.Tensor) -> None:
         """Write each (matcher, row)'s allowed tokens into bitmask[row]; other rows are left
-        as they are. bitmask: CPU int32 [num_rows, num_words], contiguous."""
+        as they are. bitmask: CPU int32 [num_rows, num_words], contiguous. The caller settled
+        the matchers (GrammarMatcher.settle), or is the prefetch they wait for."""
         assert bitmask.dtype == torch.int32, bitmask.dtype  # a host tensor
         assert bitmask.dim() == 2 and bitmask.shape[1] == self.num_words, bitmask.shape
         assert bitmask.is_contiguous()
         if not rows:
             return
         num_rows = bitmask.shape[0]
-        pairs = []
         for matcher, row in rows:
             assert 0 <= row < num_rows and matcher.num_words == self.num_words, row
-            pairs.append((matcher._matcher, row))
         assert len({row for _, row in rows}) == len(rows), "two matchers on one row"
+        # The executor hands each thread a contiguous run of the list: rows of one lexer
+        # together keep its threads off each other's lexer lock.
+        pairs = [(m._matcher, row) for m, row in sorted(rows, key=lambda r: r[0].lexer)]
         self._executor.unsafe_compute_mask_ptr(
             pairs, bitmask.data_ptr(), 4 * self.num_words, num_rows
         )
 
     def accept_one(self, rows: Sequence[tuple[GrammarMatcher, int]]) -> list[bool]:
         """Advance each (matcher, token)'s matcher past its token, in parallel; per row False
-        when the token broke the grammar (see GrammarMatcher.accept). One row per matcher."""
+        when the token broke the grammar (see GrammarMatcher.accept). One row per matcher,
+        each settled and its version moved on by the caller."""
         if not rows:
             return []
         assert len({id(m) for m, _ in rows}) == len(rows), "a matcher twice"
-        return self._executor.consume_token_par([(m._matcher, t) for m, t in rows])
+        order = sorted(range(len(rows)), key=lambda i: rows[i][0].lexer)  # as in fill()
+        accepted = self._executor.consume_token_par([(rows[i][0]._matcher, rows[i][1])
+                                                     for i in order])  # fmt: skip
+        result = [True] * len(rows)
+        for i, ok in zip(order, accepted):
+            result[i] = ok
+        return result

@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from nanopaged.sampling_params import StructuredOutputsParams
@@ -88,16 +89,45 @@ def validate(spec: StructuredOutputsParams) -> None:
 
 
 class CompiledGrammar:
-    """A grammar compiled for one tokenizer: hands each sequence a matcher at its start."""
+    """A grammar compiled for one tokenizer: hands each sequence a matcher at its start.
 
-    def __init__(self, kind: str, initial: llguidance.LLMatcher, num_words: int) -> None:
+    llguidance's copies of a matcher share its lexer (its lazily built DFA) behind one lock,
+    held through a whole mask: one grammar's rows would fill one at a time however many fill
+    threads there are. So the grammar keeps `num_lanes` matchers compiled apart (lanes, built
+    on first use), and sequences take them in turn: rows of one lane share a warm lexer, rows
+    of different lanes fill side by side (BitmaskFiller orders a batch by lane).
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        initial: llguidance.LLMatcher,
+        num_words: int,
+        build: Callable[[], llguidance.LLMatcher] | None = None,
+        num_lanes: int = 1,
+    ) -> None:
+        """initial: the first lane; build: compiles another (None: one lane only)."""
+        assert num_lanes >= 1 and (build is not None or num_lanes == 1), num_lanes
         self.kind = kind
-        self._initial = initial  # never advanced: every matcher is a copy of it
+        # Never advanced: every matcher is a copy of one of them.
+        self._lanes: list[llguidance.LLMatcher | None] = [initial] + [None] * (num_lanes - 1)
+        self._build = build
+        self._next_lane = 0
         self.num_words = num_words
 
+    @property
+    def num_lanes(self) -> int:
+        """Matchers compiled apart (each with a lexer of its own) that sequences take in turn."""
+        return len(self._lanes)
+
     def matcher(self) -> GrammarMatcher:
-        """A fresh matcher at the grammar's start."""
-        return GrammarMatcher(self._initial.deep_copy(), self.num_words)
+        """A fresh matcher at the grammar's start, on the next lane (called from one thread)."""
+        lane = self._next_lane
+        self._next_lane = (lane + 1) % len(self._lanes)
+        initial = self._lanes[lane]
+        if initial is None:  # ~0.5 ms for a JSON schema; at most num_lanes - 1 per grammar
+            initial = self._lanes[lane] = self._build()
+        return GrammarMatcher(initial.deep_copy(), self.num_words, lexer=id(initial))
 
 
 class GrammarCompiler:
@@ -110,11 +140,13 @@ class GrammarCompiler:
         num_words: int,
         max_workers: int = 2,
         stats: StructuredStats | None = None,
+        num_lanes: int = 1,
     ) -> None:
         """stats: where each compile's wall time is counted (default: a StructuredStats of
-        its own)."""
+        its own); num_lanes: each grammar's lanes (CompiledGrammar), the fill threads'."""
         self.tokenizer = tokenizer
         self.num_words = num_words
+        self.num_lanes = num_lanes
         self.stats = StructuredStats() if stats is None else stats
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="nanopaged-grammar")
         self._lock = threading.Lock()
@@ -143,12 +175,14 @@ class GrammarCompiler:
         kind, text = key
         started = time.perf_counter()
         _validate_key(kind, text)
-        initial = llguidance.LLMatcher(self.tokenizer, _grammar_of_key(kind, text), log_level=0)
+        grammar = _grammar_of_key(kind, text)
+        build = functools.partial(llguidance.LLMatcher, self.tokenizer, grammar, log_level=0)
+        initial = build()
         if initial.is_error():
             raise _invalid(kind, initial.get_error().strip())
         # list.append from the pool's threads: atomic under the GIL
         self.stats.compile_seconds.append(time.perf_counter() - started)
-        return CompiledGrammar(kind, initial, self.num_words)
+        return CompiledGrammar(kind, initial, self.num_words, build, self.num_lanes)
 
     def close(self) -> None:
         """Stop the pool's threads; compiles not yet started are cancelled."""

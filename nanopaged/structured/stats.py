@@ -18,6 +18,10 @@ class StructuredStats:
     # Steps that filled masks, and their host seconds: the batch fill plus the copy's launch.
     mask_steps: int = 0
     mask_seconds: float = 0.0
+    # Host seconds advancing matchers past sampled tokens (StructuredBackend.accept), and
+    # seconds of mask fills run ahead on the prefetch thread (beside the engine's work).
+    accept_seconds: float = 0.0
+    prefetch_seconds: float = 0.0
     # time.perf_counter() at the first mask filled since the last reset (None: none yet).
     first_mask_at: float | None = None
 
@@ -35,11 +39,14 @@ class StructuredStats:
         self.waited_seconds = 0.0
         self.mask_steps = 0
         self.mask_seconds = 0.0
+        self.accept_seconds = 0.0
+        self.prefetch_seconds = 0.0
         self.first_mask_at = None
 
     def summary(self) -> dict:
         """The counters as figures: compiles (count, mean, max, sum of their wall seconds),
-        the engine's blocked wait, and the mean mask time per step that filled masks."""
+        the engine's blocked wait, and per step that filled masks the mean mask time, time
+        advancing matchers, and prefetch time (run ahead, beside the engine)."""
         compiles = self.compile_seconds
         return dict(
             compiles=len(compiles),
@@ -49,4 +56,6 @@ class StructuredStats:
             waited_for_compile_s=self.waited_seconds,
             mask_steps=self.mask_steps,
             mask_mean_ms=1e3 * self.mask_seconds / max(1, self.mask_steps),
+            accept_mean_ms=1e3 * self.accept_seconds / max(1, self.mask_steps),
+            prefetch_mean_ms=1e3 * self.prefetch_seconds / max(1, self.mask_steps),
         )

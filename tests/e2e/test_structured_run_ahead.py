@@ -212,3 +212,29 @@ def test_cuda_constrained_steps_run_ahead_and_equal_sync(byte_llama, enforce_eag
     for out in runs[True]:
         assert all(reason in ("stop", "length") for _, _, reason, _, _ in out)
     assert sum(c[2] == "stop" for o in runs[True] for c in o) >= 0.9 * sum(map(len, runs[True]))
+
+
+def test_one_schema_over_lanes_equals_one_lexer(byte_llama):
+    # One schema for every row: with three fill threads its rows spread over three lanes
+    # (lexers of their own) and their masks fill ahead of each step, on the prefetch thread;
+    # the tokens equal a synchronous run's on one lane, every mask filled in place.
+    from nanopaged.structured import StructuredBackend
+
+    spec = StructuredOutputsParams(json=_schema(1))
+    prompts = _prompts(6, seed=3)
+    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=64, n=2 if i == 0 else 1,
+                             structured_outputs=spec) for i in range(len(prompts))]  # fmt: skip
+    runs = []
+    for async_scheduling, threads in ((False, 1), (True, 3)):
+        llm = _llm(byte_llama, async_scheduling, max_num_seqs=4)
+        engine = llm.llm_engine
+        backend = StructuredBackend(engine.tokenizer, engine.model_config.vocab_size,
+                                    engine.eos_token_ids, fill_threads=threads)  # fmt: skip
+        llm.runner.sampler.structured = backend
+        runs.append(_outputs(llm.generate(prompts, params, use_tqdm=False)))
+        stats = backend.stats
+        assert backend.compiler.num_lanes == threads and stats.mask_steps > 0
+        assert stats.prefetch_seconds > 0  # steps after the first took masks filled ahead
+        backend.close()
+    assert runs[1] == runs[0]
+    assert any(reason == "stop" for out in runs[0] for _, _, reason, _, _ in out)

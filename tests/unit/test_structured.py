@@ -317,3 +317,63 @@ def test_tokenizer_bridge_errors(hf_tokenizer):
         structured_tokenizer(hf_tokenizer, len(hf_tokenizer), [])
     tok = structured_tokenizer(hf_tokenizer, len(hf_tokenizer), [2, 0])
     assert sorted(tok.eos_tokens) == [0, 2]
+
+
+def test_lanes_share_no_lexer_and_keep_batch_order(hf_tokenizer):
+    # One spec for many rows: sequences take the grammar's lanes (matchers compiled apart,
+    # a lexer each) in turn; batches are reordered by lane inside fill/accept, never in what
+    # they write or return.
+    from nanopaged.structured import StructuredBackend
+
+    b = StructuredBackend(hf_tokenizer, vocab_size=len(hf_tokenizer), eos_token_ids=EOS,
+                          fill_threads=3)  # fmt: skip
+    try:
+        compiled = b.submit(StructuredOutputsParams(json=PERSON)).result()
+        assert b.filler.num_threads == 3 and compiled.num_lanes == 3
+        matchers = [compiled.matcher() for _ in range(7)]
+        lexers = [m.lexer for m in matchers]
+        assert len(set(lexers)) == 3 and lexers[:3] == lexers[3:6] == lexers[6:] + lexers[1:3]
+        assert matchers[4].copy().lexer == lexers[4]  # a fork shares its row's lexer
+        start = mask_of(matchers[0], b.num_words)
+        assert all(torch.equal(mask_of(m, b.num_words), start) for m in matchers)
+        # Rows in lane order 0 1 2 0 1 2 0; row 5 gets a token that breaks the grammar.
+        tokens = backend_ids(b, '{"name": "Al')
+        bad = backend_ids(b, "7")[0]
+        assert b.filler.accept_one([(m, tokens[0]) for m in matchers[:5]]
+                                   + [(matchers[5], bad), (matchers[6], tokens[0])]) == [
+            True, True, True, True, True, False, True]  # fmt: skip
+        bitmask = b.allocate_bitmask(9)
+        rows = [8, 0, 3, 1, 7, 2, 5]
+        b.fill(list(zip(matchers, rows)), bitmask)
+        for m, row in zip(matchers, rows):
+            assert torch.equal(bitmask[row], mask_of(m, b.num_words)), row
+        assert torch.equal(bitmask[8], bitmask[3]) and not torch.equal(bitmask[8], start)
+        assert not torch.equal(bitmask[2], bitmask[8])  # the broken row: EOS alone
+    finally:
+        b.close()
+    with pytest.raises(ValueError, match="fill_threads must be at least 1, got 0"):
+        StructuredBackend(hf_tokenizer, len(hf_tokenizer), EOS, fill_threads=0)
+
+
+def test_masks_filled_ahead_equal_masks_filled_now(backend, hf_tokenizer):
+    # accept() starts the next masks filling on the prefetch thread; masks() hands those out
+    # and fills the rest (a matcher new to the batch, one moved on since) as it is asked.
+    compiled = backend.submit(StructuredOutputsParams(json=PERSON)).result()
+    a, b, c, d = (compiled.matcher() for _ in range(4))
+    tokens = backend_ids(backend, '{"name": "Al')
+    backend.accept([(a, tokens[:1]), (b, tokens[:2]), (c, tokens[:1])])
+    assert a.busy is not None and a.busy is b.busy  # one prefetch for the step
+    assert not a.is_terminated()  # read before the prefetch: no wait
+    c.accept(tokens[1])  # waits for the prefetch, then moves on: its staged mask is stale
+    assert c.busy is None
+    words, rows = backend.masks([d, c, b, a])
+    assert rows[2:] == [1, 0] and len(set(rows)) == 4  # a and b staged, d and c filled now
+    assert not words.is_pinned()
+    for m, row in zip([d, c, b, a], rows):
+        assert torch.equal(words[row], mask_of(m, backend.num_words)), row
+    assert torch.equal(words[rows[1]], words[rows[2]])  # c caught up with b
+    assert not torch.equal(words[rows[0]], words[rows[3]])
+    # The next accept's prefetch starts afresh: nothing of the last one is handed out.
+    backend.accept([(d, tokens[:1])])
+    _, rows = backend.masks([a, d])
+    assert rows == [1, 0]

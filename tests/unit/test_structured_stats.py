@@ -34,9 +34,12 @@ def test_stats_count_compiles_waits_and_masks():
     lengths = [len(o.outputs[0].token_ids) for o in outs]
     assert max(lengths) <= stats.mask_steps <= sum(lengths)
     assert stats.mask_seconds > 0 and stats.first_mask_at is not None
+    # Each step's tokens advanced the matchers, whose next masks then filled ahead.
+    assert stats.accept_seconds > 0 and stats.prefetch_seconds > 0
     figures = stats.summary()
     assert figures["compiles"] == 3 and figures["mask_steps"] == stats.mask_steps
     assert figures["compile_max_s"] >= figures["compile_mean_s"] > 0
+    assert figures["accept_mean_ms"] > 0 and figures["prefetch_mean_ms"] > 0
     stats.reset()
     llm.generate(["d"], params[0], use_tqdm=False)  # cached: no compile, no wait
     assert stats.compile_seconds == [] and stats.waited_seconds < 0.05
