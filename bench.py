@@ -406,9 +406,10 @@ def _print_structured(name: str, figures: dict | None) -> None:
     print(f"{'':28s} grammars: {f['compiles']} compiled, {1e3 * f['compile_mean_s']:.2f} ms "
           f"mean, {1e3 * f['compile_max_s']:.2f} ms max, {f['compile_total_s']:.3f} s in all; "
           f"first mask {f['first_mask_after_s']:.3f} s after generate() "
-          f"({f['waited_for_compile_s']:.3f} s blocked on compiles); masks "
-          f"{f['mask_mean_ms']:.3f} ms/step host (fill + copy launch) over {f['mask_steps']} "
-          "steps", flush=True)  # fmt: skip
+          f"({f['waited_for_compile_s']:.3f} s blocked on compiles); per step over "
+          f"{f['mask_steps']} steps: sampler waited {f['mask_mean_ms']:.3f} ms for masks, "
+          f"matchers advanced in {f['accept_mean_ms']:.3f} ms, masks filled ahead in "
+          f"{f['prefetch_mean_ms']:.3f} ms (beside the engine)", flush=True)  # fmt: skip
 
 
 def sampling_settings(speculative_config: dict | None) -> dict:
