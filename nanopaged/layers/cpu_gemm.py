@@ -19,15 +19,16 @@ PACKED_MAX_ROWS = 256
 _PACK_BATCH_HINT = 16
 
 
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AMX or AVX-512 BF16), as oneDNN reports."""
+def onednn_bf16() -> bool:
+    """Whether oneDNN runs bf16 GEMMs on this CPU (natively, or emulated on AVX-512 cores);
+    LLM's default dtype asks the stricter platform.cpu_native_bf16."""
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether weight is a bf16 matrix this CPU multiplies natively in bf16 (the caller knows
-    it lies in CPU memory)."""
-    return weight.dtype == torch.bfloat16 and weight.dim() == 2 and native_bf16()
+    """Whether weight is a bf16 matrix oneDNN can multiply on this CPU (the caller knows it
+    lies in CPU memory)."""
+    return weight.dtype == torch.bfloat16 and weight.dim() == 2 and onednn_bf16()
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
