@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
+from nanopaged import platform
 from nanopaged.config import resolve_kv_cache_dtype
 from nanopaged.distributed.workers import check_device_count
 from nanopaged.engine.swap import allocate_cpu_kv_cache, swap_blocks
-from nanopaged import platform
 from nanopaged.platform import CPU, CUDA, platform_of, resolve_device
 
 
