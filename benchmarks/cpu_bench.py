@@ -22,7 +22,7 @@ import torch
 
 from nanopaged import LLM, SamplingParams
 from nanopaged.gguf import embedded_gguf
-from nanopaged.layers.cpu_gemm import native_bf16
+from nanopaged.platform import CPU
 
 NEW_TOKENS = 64
 LONG_PROMPT = 3000
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
                              "CPUs with native bf16, nanopaged's fast CPU mode; else float32, "
                              "its exact default)")  # fmt: skip
     args = parser.parse_args(argv)
-    dtype = args.dtype or ("bfloat16" if native_bf16() else "float32")
+    dtype = args.dtype or str(CPU.default_dtype(torch.float32)).removeprefix("torch.")
     result = run_cpu_bench(args.rounds, args.threads, dtype)
     print_result(result)
     return result

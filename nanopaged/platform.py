@@ -7,6 +7,7 @@ chosen in attention/ (by device and dtype), everything else here.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -27,10 +28,11 @@ class Platform:
     async_scheduling: bool
 
     def default_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
-        """The dtype a model runs in when none is asked for: fp32 on CPUs (exact, and CPUs
-        rarely have fast half-precision matmuls); on GPUs the checkpoint's, bf16 for fp32."""
+        """The dtype a model runs in when none is asked for: on GPUs the checkpoint's, bf16
+        for fp32; on CPUs bf16 where the CPU multiplies bf16 natively, else fp32 (exact; without
+        native bf16, bf16 and fp16 matmuls convert to fp32 and run slower than fp32 itself)."""
         if not self.gpu:
-            return torch.float32
+            return torch.bfloat16 if cpu_native_bf16() else torch.float32
         return torch.bfloat16 if checkpoint_dtype == torch.float32 else checkpoint_dtype
 
     def is_available(self) -> bool:
@@ -77,6 +79,18 @@ class Platform:
         if self.gpu:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         return activities
+
+
+@functools.cache
+def cpu_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively: AMX tiles or AVX-512 BF16 dot products (as
+    torch's cpuinfo reports them), with oneDNN there to run its bf16 GEMMs."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    cpu = torch.cpu
+    amx = getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+    avx512_bf16 = getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+    return bool(amx or avx512_bf16)
 
 
 CUDA = Platform(name="cuda", gpu=True, dist_backend="nccl", async_scheduling=True)

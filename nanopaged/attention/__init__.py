@@ -36,10 +36,10 @@ __all__ = [
 
 def attention_backend(device: torch.device | str, dtype: torch.dtype | None) -> AttentionBackend:
     """A new backend for a model of dtype on device: the Triton kernels on GPUs; on a CPU the
-    C kernels for bfloat16 where they compiled (kernels/cpu_native.load), else the torch
-    references (fp32 stays HF's exact arithmetic)."""
+    C kernels for bfloat16 and fp32 where they compiled (kernels/cpu_native.load; fp32 models
+    use its decode attention only), else the torch references."""
     if platform_of(device).gpu:
         return TritonAttention()
-    if dtype == torch.bfloat16 and cpu_native.available():
+    if dtype in (torch.bfloat16, torch.float32) and cpu_native.available():
         return CpuNativeAttention()
     return TorchAttention(pack_weights=True)

@@ -1,6 +1,7 @@
-"""Attention of bfloat16 models on a CPU through the C kernels of kernels/cpu_native.c: the KV
-store and decode attention, and for a decode step rotary, store and attention in one call.
-Anything else (prefill, an 8-bit cache) runs the torch references."""
+"""Attention on a CPU through the C kernels of kernels/cpu_native.c: for a decode step rotary,
+the KV store and attention in one call (bf16 and fp32 models), and the KV store and decode
+attention as separate calls (bf16; decode also fp32). Anything else (prefill, an 8-bit cache)
+runs the torch references."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def _heads_contiguous(x: torch.Tensor) -> bool:
 
 
 class CpuNativeAttention(TorchAttention):
-    """TorchAttention with the C kernels wherever the tensors are bfloat16."""
+    """TorchAttention with the C kernels wherever the tensors are bf16, and for fp32 decode
+    steps."""
 
     name = "cpu-native"
     ops: Backend = CPU_NATIVE
@@ -46,7 +48,8 @@ class CpuNativeAttention(TorchAttention):
         k_cache = layer.k_cache
         if not (
             meta.is_decode
-            and q.dtype == k_cache.dtype == torch.bfloat16
+            and q.dtype == k_cache.dtype
+            and q.dtype in (torch.bfloat16, torch.float32)
             and rotary.cos.dtype == torch.float32
             and positions.dtype == meta.slot_mapping.dtype == torch.int64
         ):
@@ -67,7 +70,7 @@ class CpuNativeAttention(TorchAttention):
         cpu_native.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
 
     def decode(self, q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None) -> torch.Tensor:
-        if k_cache.dtype != torch.bfloat16 or q.dtype != torch.bfloat16:
+        if not (k_cache.dtype == q.dtype and q.dtype in (torch.bfloat16, torch.float32)):
             return super().decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
         return cpu_native.paged_decode(
             q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len

@@ -1,5 +1,5 @@
-/* nanopaged's CPU kernels for bfloat16 models: one pass over each op's rows where torch runs
- * several ops (and the allocations between them). Compiled at first use by cpu_native.py with
+/* nanopaged's CPU kernels for bfloat16 models, and decode attention for fp32 ones too: one pass
+ * over each op's rows where torch runs several ops (and the allocations between them). Compiled at first use by cpu_native.py with
  * the machine's C compiler; every function has a torch reference in nanopaged/kernels (the
  * tests' oracle, and the path taken when no compiler is found).
  *
@@ -27,6 +27,31 @@ static inline bf16 round_bf16(float f) {
     uint32_t u = v.u;
     uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
     return (bf16)(((u & 0x7FFFFFFFu) > 0x7F800000u) ? 0x7FC0u : rounded);
+}
+
+/* Decode attention reads and writes bf16 (es == 2 bytes) or fp32 (es == 4) q, caches and
+ * outputs through these; es is a constant at each exported entry point, and the functions taking
+ * it are inlined there, so each dtype gets its own specialized loops. */
+static inline float ld(const void *p, int64_t i, int es) {
+    return es == 2 ? f32(((const bf16 *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void st(void *p, int64_t i, float v, int es) {
+    if (es == 2)
+        ((bf16 *)p)[i] = round_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+static inline const void *at(const void *p, int64_t i, int es) {
+    return (const char *)p + i * es;
+}
+
+/* v as it is, but opaque to the compiler: a product passed through here is rounded to fp32
+ * before the sum it feeds (no fused multiply-add), as torch's separate ops round it. */
+static inline float rounded(float v) {
+    __asm__("" : "+m"(v));
+    return v;
 }
 
 /* e^x in fp32 within ~2 ulp: x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial
@@ -150,16 +175,16 @@ static inline void softmax_rows(float *scores, int64_t group, int64_t len) {
  * queries (qf, fp32, pre-scaled) against the `len` cached tokens, softmax, then the weighted
  * sum of V into acc, rounded into o. */
 static inline __attribute__((always_inline)) void decode_head(
-    const float *qf, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table,
+    const float *qf, const void *k_cache, const void *v_cache, const int32_t *table,
     int64_t len, int64_t block_size, int64_t row, int64_t kh, int64_t group, int64_t dim,
-    float *scores, float *row_f, float *acc, bf16 *o) {
+    float *scores, float *row_f, float *acc, void *o, int es) {
     for (int64_t start = 0, j = 0; start < len; start += block_size, j++) {
         int64_t n = len - start < block_size ? len - start : block_size;
-        const bf16 *kb = k_cache + (int64_t)table[j] * block_size * row + kh * dim;
+        const void *kb = at(k_cache, (int64_t)table[j] * block_size * row + kh * dim, es);
         for (int64_t t = 0; t < n; t++) {
-            const bf16 *kr = kb + t * row;
+            const void *kr = at(kb, t * row, es);
 #pragma omp simd
-            for (int64_t i = 0; i < dim; i++) row_f[i] = f32(kr[i]);
+            for (int64_t i = 0; i < dim; i++) row_f[i] = ld(kr, i, es);
             for (int64_t g = 0; g < group; g++) {
                 const float *qg = qf + g * dim;
                 float dot = 0.0f;
@@ -173,11 +198,11 @@ static inline __attribute__((always_inline)) void decode_head(
     memset(acc, 0, (size_t)(group * dim) * sizeof(float));
     for (int64_t start = 0, j = 0; start < len; start += block_size, j++) {
         int64_t n = len - start < block_size ? len - start : block_size;
-        const bf16 *vb = v_cache + (int64_t)table[j] * block_size * row + kh * dim;
+        const void *vb = at(v_cache, (int64_t)table[j] * block_size * row + kh * dim, es);
         for (int64_t t = 0; t < n; t++) {
-            const bf16 *vr = vb + t * row;
+            const void *vr = at(vb, t * row, es);
 #pragma omp simd
-            for (int64_t i = 0; i < dim; i++) row_f[i] = f32(vr[i]);
+            for (int64_t i = 0; i < dim; i++) row_f[i] = ld(vr, i, es);
             for (int64_t g = 0; g < group; g++) {
                 float p = scores[g * len + start + t];
                 float *a = acc + g * dim;
@@ -188,7 +213,7 @@ static inline __attribute__((always_inline)) void decode_head(
     }
     for (int64_t g = 0; g < group; g++) {
 #pragma omp simd
-        for (int64_t i = 0; i < dim; i++) o[g * dim + i] = round_bf16(acc[g * dim + i]);
+        for (int64_t i = 0; i < dim; i++) st(o, g * dim + i, acc[g * dim + i], es);
     }
 }
 
@@ -237,29 +262,33 @@ static inline v16f sum16(const v16f *p) {
 /* Rows [start, start + n) of one KV head of a sequence's cache (K or V) as fp32 vectors, n
  * <= CHUNK tokens within one block; returns n. */
 static inline __attribute__((always_inline)) int64_t load_chunk(
-    const bf16 *cache, const int32_t *table, int64_t start, int64_t len, int64_t block_size,
-    int64_t row, int64_t kh, int64_t nv, v16f rows[CHUNK][MAX_DIM_VECS]) {
+    const void *cache, const int32_t *table, int64_t start, int64_t len, int64_t block_size,
+    int64_t row, int64_t kh, int64_t nv, v16f rows[CHUNK][MAX_DIM_VECS], int es) {
     int64_t in_block = start % block_size;
     int64_t n = block_size - in_block;
     n = n < CHUNK ? n : CHUNK;
     n = n < len - start ? n : len - start;
-    const bf16 *base =
-        cache + ((int64_t)table[start / block_size] * block_size + in_block) * row + kh * nv * 16;
+    const void *base = at(
+        cache, ((int64_t)table[start / block_size] * block_size + in_block) * row + kh * nv * 16,
+        es);
     for (int64_t t = 0; t < n; t++)
-        for (int64_t c = 0; c < nv; c++) rows[t][c] = load_bf16x16(base + t * row + c * 16);
+        for (int64_t c = 0; c < nv; c++) {
+            const void *p = at(base, t * row + c * 16, es);
+            rows[t][c] = es == 2 ? load_bf16x16(p) : load_f32x16(p);
+        }
     return n;
 }
 
 /* decode_head for dim a multiple of 16 (nv = dim / 16 vectors), chunks of <= 16 tokens. */
 static inline __attribute__((always_inline)) void decode_head_vec(
-    const float *qf, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table,
+    const float *qf, const void *k_cache, const void *v_cache, const int32_t *table,
     int64_t len, int64_t block_size, int64_t row, int64_t kh, int64_t group, int64_t nv,
-    float *scores, float *acc, bf16 *o) {
+    float *scores, float *acc, void *o, int es) {
     int64_t dim = nv * 16;
     v16f rows[CHUNK][MAX_DIM_VECS];
     v16f part[CHUNK];
     for (int64_t start = 0; start < len;) {
-        int64_t n = load_chunk(k_cache, table, start, len, block_size, row, kh, nv, rows);
+        int64_t n = load_chunk(k_cache, table, start, len, block_size, row, kh, nv, rows, es);
         for (int64_t g = 0; g < group; g++) {
             const float *qg = qf + g * dim;
             for (int64_t t = 0; t < CHUNK; t++) {
@@ -278,7 +307,7 @@ static inline __attribute__((always_inline)) void decode_head_vec(
     softmax_rows(scores, group, len);
     memset(acc, 0, (size_t)(group * dim) * sizeof(float));
     for (int64_t start = 0; start < len;) {
-        int64_t n = load_chunk(v_cache, table, start, len, block_size, row, kh, nv, rows);
+        int64_t n = load_chunk(v_cache, table, start, len, block_size, row, kh, nv, rows, es);
         for (int64_t g = 0; g < group; g++) {
             v16f a[MAX_DIM_VECS];
             for (int64_t c = 0; c < nv; c++) a[c] = load_f32x16(acc + g * dim + c * 16);
@@ -292,7 +321,7 @@ static inline __attribute__((always_inline)) void decode_head_vec(
     }
     for (int64_t g = 0; g < group; g++) {
 #pragma omp simd
-        for (int64_t i = 0; i < dim; i++) o[g * dim + i] = round_bf16(acc[g * dim + i]);
+        for (int64_t i = 0; i < dim; i++) st(o, g * dim + i, acc[g * dim + i], es);
     }
 }
 
@@ -314,84 +343,123 @@ static int check_tables(const int32_t *block_tables, int64_t sbt, int64_t width,
     return 0;
 }
 
-/* Attention of sequence b's query heads qb (bf16, head stride sqh) over its cached tokens,
- * into out [heads, dim]: each KV head's group through decode_head(_vec). */
-static void attend(const bf16 *qb, int64_t sqh, const bf16 *k_cache, const bf16 *v_cache,
-                   const int32_t *table, int64_t len, int64_t heads, int64_t kv_heads,
-                   int64_t dim, int64_t block_size, float scale, float *scratch,
-                   int64_t max_len, bf16 *out) {
+/* Attention of sequence b's query heads qb (head stride sqh) over its cached tokens, into
+ * out [heads, dim]: each KV head's group through decode_head(_vec). */
+static inline __attribute__((always_inline)) void attend(
+    const void *qb, int64_t sqh, const void *k_cache, const void *v_cache, const int32_t *table,
+    int64_t len, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, float scale,
+    float *scratch, int64_t max_len, void *out, int es) {
     int64_t group = heads / kv_heads, row = kv_heads * dim;
     float *scores = scratch;               /* [group, len] */
     float *qf = scratch + group * max_len; /* [group, dim] */
     float *acc = qf + group * dim;         /* [group, dim] */
     float *row_f = acc + group * dim;      /* [dim] */
     for (int64_t kh = 0; kh < kv_heads; kh++) {
-        bf16 *o = out + kh * group * dim;
+        void *o = (char *)out + kh * group * dim * es;
         if (len <= 0) {
-            memset(o, 0, (size_t)(group * dim) * sizeof(bf16));
+            memset(o, 0, (size_t)(group * dim * es));
             continue;
         }
         for (int64_t g = 0; g < group; g++) {
-            const bf16 *qh = qb + (kh * group + g) * sqh;
+            const void *qh = at(qb, (kh * group + g) * sqh, es);
 #pragma omp simd
-            for (int64_t i = 0; i < dim; i++) qf[g * dim + i] = f32(qh[i]) * scale;
+            for (int64_t i = 0; i < dim; i++) qf[g * dim + i] = ld(qh, i, es) * scale;
         }
         if (dim == 64)
             decode_head_vec(qf, k_cache, v_cache, table, len, block_size, row, kh, group, 4,
-                            scores, acc, o);
+                            scores, acc, o, es);
         else if (dim == 128)
             decode_head_vec(qf, k_cache, v_cache, table, len, block_size, row, kh, group, 8,
-                            scores, acc, o);
+                            scores, acc, o, es);
         else if (dim % 16 == 0 && dim <= 16 * MAX_DIM_VECS)
             decode_head_vec(qf, k_cache, v_cache, table, len, block_size, row, kh, group,
-                            dim / 16, scores, acc, o);
+                            dim / 16, scores, acc, o, es);
         else
             decode_head(qf, k_cache, v_cache, table, len, block_size, row, kh, group, dim,
-                        scores, row_f, acc, o);
+                        scores, row_f, acc, o, es);
     }
 }
 
 /* Decode attention over the paged cache, paged_decode_ref's result in fp32 arithmetic:
  * for each sequence and KV head, the scores of its query group against every cached token
- * (the fp32 dot of bf16 values, times scale), softmax in fp32, the probabilities times V
- * summed in fp32, rounded once. q [batch, heads, dim] with strides (sqb, sqh, 1); caches
- * [blocks, block_size, kv_heads, dim] contiguous; block_tables [batch, *] (stride sbt);
+ * (the fp32 dot, times scale), softmax in fp32, the probabilities times V summed in fp32,
+ * rounded once to bf16 (a bf16 cache). q [batch, heads, dim] with strides (sqb, sqh, 1);
+ * caches [blocks, block_size, kv_heads, dim] contiguous; block_tables [batch, *] (stride sbt);
  * `width` entries of num_blocks ids each; out contiguous [batch, heads, dim]; scratch:
  * scratch_len floats, at least group * (longest context + 2 * dim) + dim. An empty context
  * writes zeros, as the kernel does. Returns 0; nothing is written and -1 is returned when the
  * scratch is too small, -2 when a context needs more table entries than there are or a block
  * id it reads is out of range. */
-int np_paged_decode(const bf16 *q, int64_t sqb, int64_t sqh, const bf16 *k_cache,
-                    const bf16 *v_cache, int64_t num_blocks, const int32_t *block_tables,
-                    int64_t sbt, int64_t width, const int32_t *context_lens, int64_t batch,
-                    int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
-                    float scale, float *scratch, int64_t scratch_len, bf16 *out) {
+static inline __attribute__((always_inline)) int paged_decode(
+    const void *q, int64_t sqb, int64_t sqh, const void *k_cache, const void *v_cache,
+    int64_t num_blocks, const int32_t *block_tables, int64_t sbt, int64_t width,
+    const int32_t *context_lens, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+    int64_t block_size, float scale, float *scratch, int64_t scratch_len, void *out, int es) {
     int64_t max_len;
     if (check_tables(block_tables, sbt, width, context_lens, batch, block_size, num_blocks,
                      &max_len))
         return -2;
     if ((heads / kv_heads) * (max_len + 2 * dim) + dim > scratch_len) return -1;
     for (int64_t b = 0; b < batch; b++)
-        attend(q + b * sqb, sqh, k_cache, v_cache, block_tables + b * sbt, context_lens[b],
-               heads, kv_heads, dim, block_size, scale, scratch, max_len, out + b * heads * dim);
+        attend(at(q, b * sqb, es), sqh, k_cache, v_cache, block_tables + b * sbt,
+               context_lens[b], heads, kv_heads, dim, block_size, scale, scratch, max_len,
+               (char *)out + b * heads * dim * es, es);
     return 0;
 }
 
+/* paged_decode on bf16 tensors. */
+int np_paged_decode(const bf16 *q, int64_t sqb, int64_t sqh, const bf16 *k_cache,
+                    const bf16 *v_cache, int64_t num_blocks, const int32_t *block_tables,
+                    int64_t sbt, int64_t width, const int32_t *context_lens, int64_t batch,
+                    int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                    float scale, float *scratch, int64_t scratch_len, bf16 *out) {
+    return paged_decode(q, sqb, sqh, k_cache, v_cache, num_blocks, block_tables, sbt, width,
+                        context_lens, batch, heads, kv_heads, dim, block_size, scale, scratch,
+                        scratch_len, out, 2);
+}
+
+/* paged_decode on fp32 tensors. */
+int np_paged_decode_f32(const float *q, int64_t sqb, int64_t sqh, const float *k_cache,
+                        const float *v_cache, int64_t num_blocks, const int32_t *block_tables,
+                        int64_t sbt, int64_t width, const int32_t *context_lens, int64_t batch,
+                        int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                        float scale, float *scratch, int64_t scratch_len, float *out) {
+    return paged_decode(q, sqb, sqh, k_cache, v_cache, num_blocks, block_tables, sbt, width,
+                        context_lens, batch, heads, kv_heads, dim, block_size, scale, scratch,
+                        scratch_len, out, 4);
+}
+
+/* One head's row x rotated into out (both `dim` elements), rotate_ref's roundings: bf16 rounds
+ * each product and the sum (np_rotate's arithmetic); fp32 rounds them too, as torch's separate
+ * multiply and add do (no fused multiply-add). c and s: the table rows as fp32 values (s's first
+ * half negated). */
+static inline __attribute__((always_inline)) void rotate_row(const void *x, const float *c,
+                                                             const float *s, void *out,
+                                                             int64_t dim, int es) {
+    int64_t half = dim / 2;
+    for (int64_t i = 0; i < dim; i++) {
+        float xi = ld(x, i, es), xr = ld(x, i < half ? i + half : i - half, es);
+        if (es == 2)
+            st(out, i, f32(round_bf16(xi * c[i])) + f32(round_bf16(xr * s[i])), es);
+        else
+            ((float *)out)[i] = rounded(xi * c[i]) + rounded(xr * s[i]);
+    }
+}
+
 /* A decode step's attention block after the qkv projection, in one call: rotary on q and k
- * at each sequence's position (np_rotate's arithmetic, the fp32 tables cos/sin [*, dim]
- * rounded to bf16 as rotary_tables_ref does), k and v stored at the sequence's slot (-1
- * skips), then np_paged_decode over the cache with the rotated q. q [batch, heads, dim],
+ * at each sequence's position (rotate_ref's arithmetic with rotary_tables_ref's tables, the
+ * fp32 cos/sin [*, dim] rounded to bf16 for a bf16 model), k and v stored at the sequence's
+ * slot (-1 skips), then paged_decode over the cache with the rotated q. q [batch, heads, dim],
  * k and v [batch, kv_heads, dim], each head's row contiguous, strides (s*t, s*h). Checks as
- * np_paged_decode's, plus -3 when a position is outside [0, max_position) or a slot outside
- * [-1, num_blocks * block_size); the scratch also holds heads * dim more floats. */
-int np_rotary_decode(const bf16 *q, int64_t sqt, int64_t sqh, const bf16 *k, int64_t skt,
-                     int64_t skh, const bf16 *v, int64_t svt, int64_t svh,
-                     const int64_t *positions, const float *cos, const float *sin,
-                     int64_t max_position, const int64_t *slots, bf16 *k_cache,
-                     bf16 *v_cache, int64_t num_blocks, const int32_t *block_tables,
-                     int64_t sbt, int64_t width, const int32_t *context_lens, int64_t batch,
-                     int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
-                     float scale, float *scratch, int64_t scratch_len, bf16 *out) {
+ * paged_decode's, plus -3 when a position is outside [0, max_position) or a slot outside
+ * [-1, num_blocks * block_size); the scratch also holds (heads + 3) * dim more floats. */
+static inline __attribute__((always_inline)) int rotary_decode(
+    const void *q, int64_t sqt, int64_t sqh, const void *k, int64_t skt, int64_t skh,
+    const void *v, int64_t svt, int64_t svh, const int64_t *positions, const float *cos,
+    const float *sin, int64_t max_position, const int64_t *slots, void *k_cache, void *v_cache,
+    int64_t num_blocks, const int32_t *block_tables, int64_t sbt, int64_t width,
+    const int32_t *context_lens, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+    int64_t block_size, float scale, float *scratch, int64_t scratch_len, void *out, int es) {
     int64_t max_len, half = dim / 2, row = kv_heads * dim;
     if (check_tables(block_tables, sbt, width, context_lens, batch, block_size, num_blocks,
                      &max_len))
@@ -401,31 +469,65 @@ int np_rotary_decode(const bf16 *q, int64_t sqt, int64_t sqh, const bf16 *k, int
             slots[b] >= num_blocks * block_size)
             return -3;
     int64_t attend_len = (heads / kv_heads) * (max_len + 2 * dim) + dim;
-    if (attend_len + (heads + 1) * dim > scratch_len) return -1;
-    /* rotated q heads of one sequence (bf16) and this position's table rows, after attend's */
-    bf16 *q_rot = (bf16 *)(scratch + attend_len);
-    bf16 *tables = q_rot + heads * dim; /* cos [dim], then sin with its first half negated */
-    bf16 *k_row = tables + 2 * dim;     /* [dim] */
+    if (attend_len + (heads + 3) * dim > scratch_len) return -1;
+    /* after attend's scratch: this position's table rows (cos [dim], then sin with its first
+     * half negated), the rotated q heads of one sequence and one rotated k head */
+    float *c = scratch + attend_len, *sn = c + dim;
+    void *q_rot = sn + dim;
+    void *k_row = (char *)q_rot + heads * dim * es;
     for (int64_t b = 0; b < batch; b++) {
         const float *c32 = cos + positions[b] * dim, *s32 = sin + positions[b] * dim;
-        bf16 *c = tables, *sn = tables + dim;
-#pragma omp simd
         for (int64_t i = 0; i < dim; i++) {
-            c[i] = round_bf16(c32[i]);
-            sn[i] = round_bf16(s32[i]);
+            c[i] = es == 2 ? f32(round_bf16(c32[i])) : c32[i];
+            sn[i] = es == 2 ? f32(round_bf16(s32[i])) : s32[i];
+            sn[i] = i < half ? -sn[i] : sn[i]; /* -x, exactly */
         }
-        for (int64_t i = 0; i < half; i++) sn[i] ^= 0x8000; /* -x, exactly */
-        np_rotate(q + b * sqt, 0, sqh, c, sn, 0, q_rot, 1, heads, dim);
+        for (int64_t h = 0; h < heads; h++)
+            rotate_row(at(q, b * sqt + h * sqh, es), c, sn, (char *)q_rot + h * dim * es, dim,
+                       es);
         if (slots[b] >= 0) {
             for (int64_t h = 0; h < kv_heads; h++) {
-                np_rotate(k + b * skt + h * skh, 0, 0, c, sn, 0, k_row, 1, 1, dim);
-                memcpy(k_cache + slots[b] * row + h * dim, k_row, (size_t)dim * sizeof(bf16));
-                memcpy(v_cache + slots[b] * row + h * dim, v + b * svt + h * svh,
-                       (size_t)dim * sizeof(bf16));
+                rotate_row(at(k, b * skt + h * skh, es), c, sn, k_row, dim, es);
+                memcpy((char *)k_cache + (slots[b] * row + h * dim) * es, k_row,
+                       (size_t)(dim * es));
+                memcpy((char *)v_cache + (slots[b] * row + h * dim) * es,
+                       at(v, b * svt + h * svh, es), (size_t)(dim * es));
             }
         }
         attend(q_rot, dim, k_cache, v_cache, block_tables + b * sbt, context_lens[b], heads,
-               kv_heads, dim, block_size, scale, scratch, max_len, out + b * heads * dim);
+               kv_heads, dim, block_size, scale, scratch, max_len,
+               (char *)out + b * heads * dim * es, es);
     }
     return 0;
+}
+
+/* rotary_decode on bf16 tensors. */
+int np_rotary_decode(const bf16 *q, int64_t sqt, int64_t sqh, const bf16 *k, int64_t skt,
+                     int64_t skh, const bf16 *v, int64_t svt, int64_t svh,
+                     const int64_t *positions, const float *cos, const float *sin,
+                     int64_t max_position, const int64_t *slots, bf16 *k_cache,
+                     bf16 *v_cache, int64_t num_blocks, const int32_t *block_tables,
+                     int64_t sbt, int64_t width, const int32_t *context_lens, int64_t batch,
+                     int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                     float scale, float *scratch, int64_t scratch_len, bf16 *out) {
+    return rotary_decode(q, sqt, sqh, k, skt, skh, v, svt, svh, positions, cos, sin,
+                         max_position, slots, k_cache, v_cache, num_blocks, block_tables, sbt,
+                         width, context_lens, batch, heads, kv_heads, dim, block_size, scale,
+                         scratch, scratch_len, out, 2);
+}
+
+/* rotary_decode on fp32 tensors. */
+int np_rotary_decode_f32(const float *q, int64_t sqt, int64_t sqh, const float *k,
+                         int64_t skt, int64_t skh, const float *v, int64_t svt, int64_t svh,
+                         const int64_t *positions, const float *cos, const float *sin,
+                         int64_t max_position, const int64_t *slots, float *k_cache,
+                         float *v_cache, int64_t num_blocks, const int32_t *block_tables,
+                         int64_t sbt, int64_t width, const int32_t *context_lens,
+                         int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                         int64_t block_size, float scale, float *scratch, int64_t scratch_len,
+                         float *out) {
+    return rotary_decode(q, sqt, sqh, k, skt, skh, v, svt, svh, positions, cos, sin,
+                         max_position, slots, k_cache, v_cache, num_blocks, block_tables, sbt,
+                         width, context_lens, batch, heads, kv_heads, dim, block_size, scale,
+                         scratch, scratch_len, out, 4);
 }

@@ -1,4 +1,5 @@
-"""CPU kernels in C for bfloat16 models (cpu_native.c), called through ctypes.
+"""CPU kernels in C (cpu_native.c), called through ctypes: for bfloat16 models, and decode
+attention (with rotary and the KV store) for fp32 models too.
 
 On a CPU, a decode step of a small model is mostly torch's per-op cost around the GEMMs: an
 RMSNorm is nine ops, attention a gather, a fill and an SDPA call, each paying dispatch and an
@@ -8,7 +9,8 @@ into nanopaged's cache directory (`$NANOPAGED_CACHE`, else `~/.cache/nanopaged`)
 hash of the source, the flags and the CPU; a process compiles at most once. Without a
 compiler, or with `NANOPAGED_CPU_KERNELS=0`, `load()` returns None and the CPU runs the torch
 references. Each function here has its reference beside its Triton kernel (the tests compare
-the two); fp32 models never come here, they run the references, bit for bit HF's arithmetic.
+the two). fp32 models use the decode kernels only: rotary and the store bit for bit their
+references, attention within fp32 rounding of SDPA's (another order of the same sums).
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ _SIGNATURES = {
         _I, _I, _I, _I, _I, _F, _P, _I, _P,
     ],
 }
+_SIGNATURES["np_paged_decode_f32"] = _SIGNATURES["np_paged_decode"]
+_SIGNATURES["np_rotary_decode_f32"] = _SIGNATURES["np_rotary_decode"]
+# Decode attention's dtypes, and the suffix of their entry points
+_DECODE_SUFFIX = {torch.bfloat16: "", torch.float32: "_f32"}
 
 
 def _compiler() -> str | None:
@@ -113,7 +119,7 @@ def load() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        checked = name in ("np_paged_decode", "np_rotary_decode", "np_store_kv")
+        checked = name.startswith(("np_paged_decode", "np_rotary_decode", "np_store_kv"))
         fn.restype = ctypes.c_int if checked else None
     return lib
 
@@ -169,12 +175,14 @@ def _number(name: str, value: object) -> float:
     return float(value)
 
 
-def _caches(k_cache: object, v_cache: object) -> tuple[int, int, int, int]:
-    """(num_blocks, block_size, kv_heads, head_dim) of two bf16 caches [num_blocks, block_size,
-    kv_heads, head_dim], contiguous and alike; ValueError or TypeError naming the one that is
-    not."""
-    _tensor("k_cache", k_cache, torch.bfloat16, 4)
-    _tensor("v_cache", v_cache, torch.bfloat16, 4)
+def _caches(
+    k_cache: object, v_cache: object, dtype: torch.dtype = torch.bfloat16
+) -> tuple[int, int, int, int]:
+    """(num_blocks, block_size, kv_heads, head_dim) of two caches of dtype [num_blocks,
+    block_size, kv_heads, head_dim], contiguous and alike; ValueError or TypeError naming the
+    one that is not."""
+    _tensor("k_cache", k_cache, dtype, 4)
+    _tensor("v_cache", v_cache, dtype, 4)
     _contiguous("k_cache", k_cache)
     _contiguous("v_cache", v_cache)
     shape = tuple(k_cache.shape)
@@ -296,11 +304,15 @@ def _check_decode(
     max_context_len: object,
 ) -> float:
     """The checks paged_decode and rotary_decode share; returns scale as a float."""
-    _tensor("q", q, torch.bfloat16, 3)
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if q.dtype not in _DECODE_SUFFIX:
+        raise TypeError(f"q must be torch.bfloat16 or torch.float32, got {q.dtype}")
+    _tensor("q", q, q.dtype, 3)
     batch, heads, dim = q.shape
     if q.stride(2) != 1:
         raise ValueError(f"q's head rows must be contiguous (last stride 1), got {q.stride()}")
-    _, _, kv_heads, cache_dim = _caches(k_cache, v_cache)
+    _, _, kv_heads, cache_dim = _caches(k_cache, v_cache, q.dtype)
     if cache_dim != dim:
         raise ValueError(f"k_cache's head_dim ({cache_dim}) must be q's ({dim})")
     if heads % kv_heads:
@@ -341,16 +353,17 @@ def paged_decode(
     scale: float,
     max_context_len: int,
 ) -> torch.Tensor:
-    """paged_decode_ref for a bf16 cache, in fp32 arithmetic (probabilities not rounded to
-    bf16 before the sum over V). q [batch, heads, dim]; max_context_len >= every context."""
+    """paged_decode_ref for a bf16 or fp32 cache (q's dtype), in fp32 arithmetic (a bf16
+    cache's probabilities not rounded to bf16 before the sum over V). q [batch, heads, dim];
+    max_context_len >= every context."""
     scale = _check_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len)
     batch, heads, dim = q.shape
     num_blocks, block_size, kv_heads = k_cache.shape[:3]
     scratch = torch.empty(
         heads // kv_heads * (max_context_len + 2 * dim) + dim, dtype=torch.float32
     )
-    out = torch.empty((batch, heads, dim), dtype=torch.bfloat16)
-    status = _lib().np_paged_decode(
+    out = torch.empty((batch, heads, dim), dtype=q.dtype)
+    status = getattr(_lib(), "np_paged_decode" + _DECODE_SUFFIX[q.dtype])(
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
         num_blocks, block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
         context_lens.data_ptr(), batch, heads, kv_heads, dim, block_size, scale,
@@ -379,14 +392,14 @@ def rotary_decode(
     positions (rotate_ref's result with rotary_tables_ref's tables from cos/sin [positions,
     dim] fp32), store k and v at slot_mapping (store_kv_ref), then paged_decode. q [batch,
     heads, dim], k and v [batch, kv_heads, dim] (views of the qkv rows: each head's row
-    contiguous); positions and slot_mapping int64, one per sequence."""
+    contiguous), all bf16 or all fp32; positions and slot_mapping int64, one per sequence."""
     scale = _check_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len)
     batch, heads, dim = q.shape
     num_blocks, block_size, kv_heads = k_cache.shape[:3]
     if dim % 2:
         raise ValueError(f"q's head_dim must be even for the rotation, got {dim}")
     for name, t in (("k", k), ("v", v)):
-        _tensor(name, t, torch.bfloat16, 3)
+        _tensor(name, t, q.dtype, 3)
         _shape(name, t, (batch, kv_heads, dim), "[batch, kv_heads, head_dim] of q and k_cache")
         if t.stride(2) != 1:
             raise ValueError(f"{name}'s head rows must be contiguous (last stride 1), got "
@@ -401,11 +414,11 @@ def rotary_decode(
     _index_vector("positions", positions, torch.int64, batch, "one per sequence of q")
     _index_vector("slot_mapping", slot_mapping, torch.int64, batch, "one per sequence of q")
     scratch = torch.empty(
-        heads // kv_heads * (max_context_len + 2 * dim) + dim + (heads + 1) * dim,
+        heads // kv_heads * (max_context_len + 2 * dim) + dim + (heads + 3) * dim,
         dtype=torch.float32,
     )  # fmt: skip
-    out = torch.empty((batch, heads, dim), dtype=torch.bfloat16)
-    status = _lib().np_rotary_decode(
+    out = torch.empty((batch, heads, dim), dtype=q.dtype)
+    status = getattr(_lib(), "np_rotary_decode" + _DECODE_SUFFIX[q.dtype])(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
         v.data_ptr(), v.stride(0), v.stride(1), positions.data_ptr(), cos.data_ptr(),
         sin.data_ptr(), cos.shape[0], slot_mapping.data_ptr(), k_cache.data_ptr(),

@@ -1,10 +1,12 @@
-"""bf16 GEMMs on CPUs with native bf16 (AMX): weights prepacked once into oneDNN's layout.
+"""CPU GEMMs at decode sizes: weights prepacked once into oneDNN's layout.
 
 torch's plain bf16 `F.linear` on CPU reorders the weight on every call; at decode batch sizes
 that costs more than the multiply. Prepacked, a bf16 decode GEMM beats the fp32 one at batch 1
-and is about 4x faster at batch 16 (benchmarks/cpu_bench.py --gemm). Large row counts
-(prefill) stay on `F.linear`, which is faster there. fp32 weights are never packed: fp32 is
-the exact mode, bit for bit the GEMM that HF transformers runs.
+and is about 4x faster at batch 16 (benchmarks/cpu_bench.py --gemm). fp32 weights are packed
+too: oneDNN's fp32 GEMM beat torch's `F.linear` (MKL) at 16 rows by 10-35% on SmolLM2's shapes
+(the LM head most) on an AVX2 EPYC, and lost at one row except on the LM head; its sums run in
+another order (within fp32 rounding of F.linear's). Large row counts (prefill) stay on
+`F.linear`, which is faster there.
 """
 
 from __future__ import annotations
@@ -17,17 +19,33 @@ from torch import nn
 PACKED_MAX_ROWS = 256
 # The batch size oneDNN tunes the packed layout for (decode-sized).
 _PACK_BATCH_HINT = 16
+# fp32: the packed weight for 2 to 32 rows (even with F.linear from 64 rows on), and for one
+# row only from this size on (the LM head).
+_F32_PACKED_MAX_ROWS = 32
+_F32_ONE_ROW_MIN_BYTES = 32 << 20
 
 
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AMX or AVX-512 BF16), as oneDNN reports."""
+def onednn_bf16() -> bool:
+    """Whether oneDNN runs bf16 GEMMs on this CPU (natively, or emulated on AVX-512 cores);
+    LLM's default dtype asks the stricter platform.cpu_native_bf16."""
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether weight is a bf16 matrix this CPU multiplies natively in bf16 (the caller knows
-    it lies in CPU memory)."""
-    return weight.dtype == torch.bfloat16 and weight.dim() == 2 and native_bf16()
+    """Whether weight is an fp32 or bf16 matrix oneDNN can multiply on this CPU (the caller
+    knows it lies in CPU memory)."""
+    if weight.dim() != 2 or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and onednn_bf16())
+
+
+def _takes_packed(rows: int, weight: torch.Tensor) -> bool:
+    """Whether x W^T of `rows` rows runs faster through the packed weight (measured)."""
+    if weight.dtype != torch.float32:
+        return rows <= PACKED_MAX_ROWS
+    if rows == 1:
+        return weight.nbytes >= _F32_ONE_ROW_MIN_BYTES
+    return rows <= _F32_PACKED_MAX_ROWS
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -42,7 +60,7 @@ def linear(
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x W^T (+ b); through the packed copy of weight when there is one and x has few rows."""
-    if packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS:
+    if packed is not None and x.dim() == 2 and _takes_packed(x.shape[0], weight):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

@@ -30,7 +30,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 def _run(path, async_scheduling: bool, prompts, params, **kw):
     llm = LLM(str(path), kv_cache_memory=1 << 22, async_scheduling=async_scheduling,
-              device="cpu", **kw)
+              device="cpu", dtype="float32", **kw)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert not llm.scheduler.has_unfinished()
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks

@@ -34,6 +34,7 @@ def test_greedy_matches_hf(family_model, block_size, prefix_caching, max_num_bat
     path, prompts, expected = family_model
     llm = LLM(
         str(path),
+        dtype="float32",
         block_size=block_size,
         enable_prefix_caching=prefix_caching,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -80,7 +81,7 @@ def test_model_variants_match_hf(tmp_path, family, overrides):
     assert len(list(path.glob("*.safetensors"))) > 1
     prompts = _prompts(512, seed=1)[:4] + [list(range(200, 330))]
     expected = hf_greedy(path, prompts, MAX_TOKENS)
-    llm = LLM(str(path), kv_cache_memory=1 << 22)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=1 << 22)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
 
@@ -89,14 +90,18 @@ def test_preemption_gives_same_tokens(tmp_path):
     """A KV budget far under the batch's needs preempts and recomputes, with equal tokens."""
     path = make_tiny_model(tmp_path / "llama", "llama")
     prompts = _prompts(512, seed=2)[:2] + [list(range(i, i + 30)) for i in range(0, 480, 40)]
-    ref_llm = LLM(str(path), kv_cache_memory=1 << 22, block_size=8)
+    ref_llm = LLM(str(path), dtype="float32", kv_cache_memory=1 << 22, block_size=8)
     expected = [o.outputs[0].token_ids for o in ref_llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert ref_llm.scheduler.num_preemptions == 0
     per_block = ref_llm.runner.kv_bytes_per_block
     need = sum(-(-(len(p) + MAX_TOKENS) // 8) for p in prompts)
     num_blocks = need // 3 - 1
     llm = LLM(
-        str(path), kv_cache_memory=per_block * num_blocks, block_size=8, max_model_len=96
+        str(path),
+        dtype="float32",
+        kv_cache_memory=per_block * num_blocks,
+        block_size=8,
+        max_model_len=96,
     )
     assert llm.block_manager.num_blocks == num_blocks
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -112,7 +117,7 @@ def test_prefix_cache_hits_keep_tokens(tmp_path):
     first = [prefix + [rng.randrange(512) for _ in range(5)] for _ in range(2)]
     second = [prefix + [rng.randrange(512) for _ in range(n)] for n in (1, 7, 20)]
     expected = hf_greedy(path, second, MAX_TOKENS)
-    llm = LLM(str(path), kv_cache_memory=1 << 22, block_size=16)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=1 << 22, block_size=16)
     free_before = llm.block_manager.num_free_blocks
     llm.generate(first, GREEDY, use_tqdm=False)
     outs = llm.generate(second, GREEDY, use_tqdm=False)
@@ -127,7 +132,7 @@ def test_fully_cached_prompt(tmp_path):
     path = make_tiny_model(tmp_path / "qwen2", "qwen2")
     prompt = list(range(1, 65))  # exactly 4 blocks of 16
     expected = hf_greedy(path, [prompt], MAX_TOKENS)
-    llm = LLM(str(path), kv_cache_memory=1 << 22, block_size=16)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=1 << 22, block_size=16)
     for _ in range(3):
         out = llm.generate([prompt, prompt], GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in out] == expected * 2

@@ -50,7 +50,7 @@ def moe_model(request, tmp_path_factory):
 @pytest.mark.parametrize("max_num_batched_tokens", [48, 8192])
 def test_moe_greedy_matches_hf(moe_model, prefix_caching, max_num_batched_tokens):
     path, sparse, prompts, expected = moe_model
-    llm = LLM(str(path), block_size=8, enable_prefix_caching=prefix_caching,
+    llm = LLM(str(path), dtype="float32", block_size=8, enable_prefix_caching=prefix_caching,
               max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=1 << 22)  # fmt: skip
     layers = llm.runner.model.model.layers
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in layers] == sparse
@@ -68,8 +68,8 @@ def test_moe_tp2_matches_hf(tmp_path):
     path = make_tiny_model(tmp_path / "qwen2_moe", "qwen2_moe", mlp_only_layers=[0])
     prompts = _prompts(seed=1)
     expected = hf_greedy(path, prompts, MAX_TOKENS)
-    with LLM(str(path), tensor_parallel_size=2, block_size=8, max_num_batched_tokens=48,
-             kv_cache_memory=1 << 22) as llm:  # fmt: skip
+    with LLM(str(path), dtype="float32", tensor_parallel_size=2, block_size=8,
+             max_num_batched_tokens=48, kv_cache_memory=1 << 22) as llm:  # fmt: skip
         experts = llm.runner.model.model.layers[1].mlp.experts
         assert experts.w13.shape == (8, 32, 64)  # 8 experts, [gate; up] of 16 rows each
         for _ in range(2):  # the second time through the prefix cache

@@ -105,7 +105,8 @@ def test_prompt_logprobs_equal_hf(llama, hf, scored_rows, monkeypatch, engine):
         monkeypatch.setattr(prompt_logprobs, "CHUNK_BYTES", 4 * (512 + 5) * rows)
         assert prompt_logprobs.rows_per_chunk(512, 3) == prompt_logprobs.rows_per_chunk(512, 5)
         assert prompt_logprobs.rows_per_chunk(512, 5) == rows
-    llm = LLM(str(llama), device="cpu", block_size=8, kv_cache_memory=1 << 22, **engine)
+    llm = LLM(str(llama), device="cpu", dtype="float32", block_size=8, kv_cache_memory=1 << 22,
+              **engine)
     prompts = _prompts(LENGTHS, seed=1) + _prompts((30, 70), seed=2)
     ks = [3, 0, 1, 5, 3, None, 2]
     params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=k)
@@ -127,7 +128,7 @@ def test_prompt_logprobs_equal_hf(llama, hf, scored_rows, monkeypatch, engine):
 def test_cached_prefix_is_computed_again_and_published(llama, hf, scored_rows):
     """A request asking for prompt logprobs takes no prefix-cache hits (it needs every
     position's logits), yet the blocks it computes serve later requests."""
-    llm = LLM(str(llama), device="cpu", block_size=8, kv_cache_memory=1 << 22)
+    llm = LLM(str(llama), device="cpu", dtype="float32", block_size=8, kv_cache_memory=1 << 22)
     base, tail, fresh = _prompts((40, 13, 37), seed=3)
     greedy = SamplingParams(temperature=0, max_tokens=4)
     assert llm.generate([base], greedy, use_tqdm=False)[0].num_cached_tokens == 0
@@ -148,7 +149,7 @@ def test_preempted_requests_score_each_position_once(llama, hf, scored_rows, mod
     """A tight pool preempts groups mid-prefill and mid-decode (n = 2 samples among them):
     a recomputed prefill scores none of the positions its first pass recorded."""
     per_block = 2 * 2 * 8 * 2 * 16 * 4  # K and V, 2 layers, 8 tokens, 2 KV heads, fp32
-    llm = LLM(str(llama), device="cpu", block_size=8, max_model_len=128,
+    llm = LLM(str(llama), device="cpu", dtype="float32", block_size=8, max_model_len=128,
               kv_cache_memory=20 * per_block, max_num_batched_tokens=32, preemption_mode=mode,
               swap_space=64 * per_block / 2**30)  # fmt: skip
     assert llm.block_manager.num_blocks == 20
@@ -169,7 +170,7 @@ def test_preempted_requests_score_each_position_once(llama, hf, scored_rows, mod
 def test_parallel_samples_score_the_prompt_once(llama, hf, scored_rows):
     prompt = _prompts((33,), seed=6)[0]
     p = SamplingParams(n=4, temperature=1.0, seed=2, max_tokens=8, prompt_logprobs=3)
-    llm = LLM(str(llama), device="cpu", block_size=8, kv_cache_memory=1 << 22)
+    llm = LLM(str(llama), device="cpu", dtype="float32", block_size=8, kv_cache_memory=1 << 22)
     (out,) = llm.generate([prompt], p, use_tqdm=False)
     assert len(out.outputs) == 4 and len({tuple(c.token_ids) for c in out.outputs}) > 1
     _check(out, prompt, 3, _reference(hf, prompt))

@@ -31,7 +31,7 @@ def _prompts(seed: int = 0) -> list[list[int]]:
 
 
 def _greedy(path: Path, prompts: list[list[int]], **kwargs) -> list[list[int]]:
-    llm = LLM(str(path), kv_cache_memory=KV, **kwargs)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=KV, **kwargs)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     llm.shutdown()
     return [o.outputs[0].token_ids for o in outs]

@@ -40,7 +40,7 @@ def _hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
 
 # ---- parallel sampling ---------------------------------------------------------------------
 def test_parallel_samples_differ_and_reproduce(llama):
-    llm = LLM(str(llama), kv_cache_memory=1 << 22, block_size=8)
+    llm = LLM(str(llama), dtype="float32", kv_cache_memory=1 << 22, block_size=8)
     prompt = _prompts([21], seed=0)[0]
     p = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True)
     out = llm.generate([prompt], p, use_tqdm=False)[0]
@@ -61,7 +61,7 @@ def test_each_sample_stops_on_its_own(tmp_path):
     """Stop strings and EOS end one sample of a group; its siblings run on."""
     path = make_tiny_model(tmp_path / "llama", "llama")
     add_byte_tokenizer(path)
-    llm = LLM(str(path), kv_cache_memory=1 << 22, block_size=8)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=1 << 22, block_size=8)
     p = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
     full = llm.generate("hello", p, use_tqdm=False)[0].outputs
     stop = full[1].text[6:8]
@@ -79,7 +79,7 @@ def test_each_sample_stops_on_its_own(tmp_path):
 
 def test_samples_share_the_prompt_blocks(llama):
     """Peak blocks of n=6 are 6x those of n=1 less 5 copies of the prompt's full blocks."""
-    llm = LLM(str(llama), kv_cache_memory=1 << 22, block_size=8)
+    llm = LLM(str(llama), dtype="float32", kv_cache_memory=1 << 22, block_size=8)
     prompt = _prompts([45], seed=1)[0]  # 5 full blocks of 8 and a partial one
     peaks = {}
     for n in (1, 6):
@@ -259,7 +259,7 @@ def test_preemption_settings_are_checked(llama):
 
 # ---- logprobs and penalties ----------------------------------------------------------------
 def test_logprobs_equal_hf_log_softmax(llama, hf_model):
-    llm = LLM(str(llama), kv_cache_memory=1 << 22)
+    llm = LLM(str(llama), dtype="float32", kv_cache_memory=1 << 22)
     prompts = _prompts([3, 20], seed=5)
     params = [
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=4),
@@ -282,7 +282,7 @@ def test_logprobs_equal_hf_log_softmax(llama, hf_model):
 
 def test_repetition_penalty_matches_hf_generate(llama, hf_model):
     prompts = _prompts([4, 25], seed=6)
-    llm = LLM(str(llama), kv_cache_memory=1 << 22)
+    llm = LLM(str(llama), dtype="float32", kv_cache_memory=1 << 22)
     p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.8)
     outs = llm.generate(prompts, p, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
@@ -298,7 +298,7 @@ def test_repetition_penalty_matches_hf_generate(llama, hf_model):
 
 def test_presence_and_frequency_penalties_match_plain_loop(llama, hf_model):
     prompts = _prompts([6, 11], seed=7)
-    llm = LLM(str(llama), kv_cache_memory=1 << 22)
+    llm = LLM(str(llama), dtype="float32", kv_cache_memory=1 << 22)
     p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, presence_penalty=1.5,
                        frequency_penalty=0.8)  # fmt: skip
     outs = llm.generate(prompts, p, use_tqdm=False)

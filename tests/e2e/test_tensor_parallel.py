@@ -68,7 +68,7 @@ def test_tp_greedy_matches_hf(tmp_path, family):
     expected = hf_greedy(path, prompts, MAX_TOKENS)
     # Small steps: 100-token prompts are prefilled in chunks; qwen3 also plans ahead; llama's
     # pool holds 24 blocks of 8 (the batch needs ~60), so groups are swapped out and back.
-    kw = dict(block_size=8, max_num_batched_tokens=48, kv_cache_memory=1 << 22)
+    kw = dict(dtype="float32", block_size=8, max_num_batched_tokens=48, kv_cache_memory=1 << 22)
     tp_kw = dict(kw, tensor_parallel_size=2, async_scheduling=family == "qwen3")
     if family == "llama":
         per_block = 2 * 2 * 8 * 1 * 16 * 4  # K and V, 2 layers, 8 tokens, 1 KV head per rank

@@ -133,7 +133,7 @@ LOGPROBS = """
 from vllm import LLM, SamplingParams
 from vllm import BeamSearchParams
 
-llm = LLM(model=MODEL)
+llm = LLM(model=MODEL, dtype="float32")
 params = SamplingParams(temperature=0, max_tokens=5, logprobs=3, prompt_logprobs=2)
 outputs = llm.generate("The capital of France is", params)
 output = outputs[0]

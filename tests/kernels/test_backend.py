@@ -57,16 +57,17 @@ def test_attention_backend_by_device_and_dtype():
             assert backend.ops.linear is not TRITON.linear
     a, b = attention_backend("cuda", BF16), attention_backend("cuda", BF16)
     assert a is not b and a.ops.linear is not b.ops.linear  # one per runner
-    for device, dtype in (("cpu", torch.float32), ("cpu", torch.float16), ("meta", None)):
+    for device, dtype in (("cpu", torch.float16), ("meta", None)):
         backend = attention_backend(device, dtype)
         assert type(backend) is TorchAttention and backend.ops is TORCH
-        assert backend.pack_weights  # a runner's CPU model: bf16 GEMM weights for oneDNN
+        assert backend.pack_weights  # a runner's CPU model: GEMM weights packed for oneDNN
     assert not TorchAttention().pack_weights  # on any device: weights as they are
-    native = attention_backend("cpu", BF16)
-    if cpu_native.available():
-        assert type(native) is CpuNativeAttention and native.ops is CPU_NATIVE
-    else:
-        assert type(native) is TorchAttention
+    for dtype in (BF16, torch.float32):  # fp32: the C decode call, the rest as TORCH
+        native = attention_backend("cpu", dtype)
+        if cpu_native.available():
+            assert type(native) is CpuNativeAttention and native.ops is CPU_NATIVE
+        else:
+            assert type(native) is TorchAttention and native.pack_weights
 
 
 def _fields(cls) -> set[str]:

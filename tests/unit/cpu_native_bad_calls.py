@@ -82,7 +82,8 @@ class BadCall:
 def _cases() -> list[BadCall]:
     c = BadCall
     shared_decode = [
-        c("{}", "q", lambda t: t.float(), TypeError, r"q must be torch.bfloat16"),
+        c("{}", "q", lambda t: t.half(), TypeError, r"q must be torch.bfloat16 or torch.float32"),
+        c("{}", "q", lambda t: t.float(), TypeError, r"k_cache must be torch.float32"),
         c("{}", "q", lambda t: t[..., :32], ValueError, r"k_cache's head_dim \(64\) must be q's"),
         c("{}", "q", lambda t: t[:, :3], ValueError, r"q's heads \(3\) must be a multiple"),
         c("{}", "q", lambda t: t.transpose(1, 2), ValueError, r"q's head rows must be contiguous"),

@@ -58,7 +58,9 @@ def test_builds_once_into_the_cache(monkeypatch, tmp_path):
 def test_backend_choice_and_opt_out(monkeypatch):
     native = attention_backend("cpu", BF16)
     assert type(native) is CpuNativeAttention and native.ops is CPU_NATIVE
-    for dtype in (torch.float32, torch.float16, None):  # fp32 stays HF's exact arithmetic
+    fp32 = attention_backend("cpu", torch.float32)  # decode attention in C, the rest torch's
+    assert type(fp32) is CpuNativeAttention
+    for dtype in (torch.float16, None):
         backend = attention_backend("cpu", dtype)
         assert type(backend) is TorchAttention and backend.ops is TORCH
     monkeypatch.setenv("NANOPAGED_CPU_KERNELS", "0")

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from nanopaged import platform
 from nanopaged.config import resolve_kv_cache_dtype
 from nanopaged.distributed.workers import check_device_count
 from nanopaged.engine.swap import allocate_cpu_kv_cache, swap_blocks
@@ -20,10 +21,46 @@ def test_platform_of_names_the_device_kind():
     assert not CPU.async_scheduling and CUDA.async_scheduling
 
 
-def test_default_dtypes():
-    assert CPU.default_dtype(torch.bfloat16) == torch.float32
+def test_default_dtypes(monkeypatch):
+    monkeypatch.setattr(platform, "cpu_native_bf16", lambda: False)
+    for checkpoint in (torch.float32, torch.float16, torch.bfloat16):
+        assert CPU.default_dtype(checkpoint) == torch.float32
+    monkeypatch.setattr(platform, "cpu_native_bf16", lambda: True)
+    for checkpoint in (torch.float32, torch.float16, torch.bfloat16):
+        assert CPU.default_dtype(checkpoint) == torch.bfloat16
     assert CUDA.default_dtype(torch.float32) == torch.bfloat16
     assert CUDA.default_dtype(torch.float16) == torch.float16
+
+
+def test_cpu_native_bf16_reads_amx_or_avx512_bf16(monkeypatch):
+    def probe(amx: bool, avx512_bf16: bool, mkldnn: bool = True) -> bool:
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: mkldnn)
+        platform.cpu_native_bf16.cache_clear()
+        try:
+            return platform.cpu_native_bf16()
+        finally:
+            platform.cpu_native_bf16.cache_clear()
+
+    assert probe(amx=True, avx512_bf16=False) and probe(amx=False, avx512_bf16=True)
+    assert not probe(amx=False, avx512_bf16=False)  # AVX2 or plain AVX-512: no native bf16
+    assert not probe(amx=True, avx512_bf16=True, mkldnn=False)  # no oneDNN to run bf16 GEMMs
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_llm_default_dtype_on_the_cpu(monkeypatch, byte_llama, native):
+    from nanopaged import LLM, SamplingParams
+
+    monkeypatch.setattr(platform, "cpu_native_bf16", lambda: native)
+    want = torch.bfloat16 if native else torch.float32
+    llm = LLM(str(byte_llama), device="cpu", kv_cache_memory=1 << 20)
+    assert llm.llm_engine.dtype == want
+    assert next(llm.runner.model.parameters()).dtype == want
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    explicit = LLM(str(byte_llama), device="cpu", dtype="float32", kv_cache_memory=1 << 20)
+    assert explicit.llm_engine.dtype == torch.float32
 
 
 def test_cpu_answers():
