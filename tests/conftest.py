@@ -36,3 +36,14 @@ def byte_llama(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("byte-llama"), "llama")
     add_byte_tokenizer(path)
     return path
+
+
+@pytest.fixture(autouse=True)
+def _cpu_default_dtype_fp32(monkeypatch):
+    """LLM's CPU default is bf16 on CPUs that multiply bf16 natively (platform.cpu_native_bf16)
+    and fp32 elsewhere. The suite's comparisons between runs (with and without speculation,
+    async and sync, a fuzz against its reference) are written for exact fp32, so every CI
+    machine runs them so; tests of the default itself mock the capability both ways."""
+    import nanopaged.platform
+
+    monkeypatch.setattr(nanopaged.platform, "cpu_native_bf16", lambda: False)

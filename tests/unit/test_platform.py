@@ -12,6 +12,7 @@ from nanopaged.config import resolve_kv_cache_dtype
 from nanopaged.distributed.workers import check_device_count
 from nanopaged.engine.swap import allocate_cpu_kv_cache, swap_blocks
 from nanopaged.platform import CPU, CUDA, platform_of, resolve_device
+from nanopaged.platform import cpu_native_bf16 as native_bf16_probe  # unpatched (conftest)
 
 
 def test_platform_of_names_the_device_kind():
@@ -37,11 +38,11 @@ def test_cpu_native_bf16_reads_amx_or_avx512_bf16(monkeypatch):
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
         monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: mkldnn)
-        platform.cpu_native_bf16.cache_clear()
+        native_bf16_probe.cache_clear()
         try:
-            return platform.cpu_native_bf16()
+            return native_bf16_probe()
         finally:
-            platform.cpu_native_bf16.cache_clear()
+            native_bf16_probe.cache_clear()
 
     assert probe(amx=True, avx512_bf16=False) and probe(amx=False, avx512_bf16=True)
     assert not probe(amx=False, avx512_bf16=False)  # AVX2 or plain AVX-512: no native bf16
