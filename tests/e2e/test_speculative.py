@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from spec_cases import finishes, stop_and_length_requests, tokens
 from tiny_models import FAMILIES, hf_greedy, make_tiny_model
 
 from nanopaged import LLM, SamplingParams
@@ -41,15 +42,6 @@ def run(path, prompts, params, spec: dict | None = None, **kwargs):
     kwargs.setdefault("max_model_len", MAX_MODEL_LEN)
     llm = LLM(str(path), dtype="float32", speculative_config=spec, **kwargs)
     return llm.generate(prompts, params, use_tqdm=False), llm
-
-
-def tokens(outs) -> list[list[list[int]]]:
-    return [[c.token_ids for c in o.outputs] for o in outs]
-
-
-def finishes(outs) -> list[list[tuple]]:
-    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs]
-            for o in outs]  # fmt: skip
 
 
 def assert_all_blocks_free(llm: LLM) -> None:
@@ -136,13 +128,7 @@ def test_max_tokens_and_stop_tokens_inside_accepted_runs(tiny):
     prompts = prompts_of(4)
     free = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     long_run = tokens(run(path, prompts, free)[0])
-    params = []
-    for i, [out] in enumerate(long_run):
-        at = 3 + 5 * i  # a stop token first seen around here, banned before min_tokens
-        params.append(SamplingParams(temperature=0, max_tokens=7 + 6 * i,
-                                     stop_token_ids=[out[at]], min_tokens=at - i % 3))  # fmt: skip
-    params += [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in range(1, 14)]
-    prompts = prompts + [prompts[m % len(prompts)] for m in range(1, 14)]
+    prompts, params = stop_and_length_requests(prompts, long_run, range(1, 14))
     base, _ = run(path, prompts, params)
     spec, llm = run(path, prompts, params, NGRAM, enable_prefix_caching=False)
     assert finishes(spec) == finishes(base)
