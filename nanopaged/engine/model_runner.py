@@ -28,6 +28,7 @@ from nanopaged.engine.sequence import Sequence
 from nanopaged.engine.step_inputs import (
     Peers,
     StepInputs,
+    as_decode_rows,
     build_step_inputs,
     host_arrays,
     is_arange,
@@ -239,19 +240,34 @@ class ModelRunner:
             and self.graphs.can_run(batch_size)
         )
 
-    def _graph_sampling(self, step: StepInputs, seqs: list[Sequence], rows: StepRows
-                        ) -> SamplingTensors | None:  # fmt: skip
+    def _verifies_in_graph(self, batch: ScheduledBatch, step: StepInputs) -> bool:
+        """Whether a step with drafts runs as one-token decode rows (as_decode_rows) through
+        a decode graph: every row is a decode row, its last token and its drafts, and the
+        step's tokens fit the largest bucket."""
+        if not batch.draft_token_ids or self.graphs is None or self.first_kv_pass is not None:
+            return False
+        return self.graphs.can_run(len(step.input_ids)) and batch.one_token_rows()
+
+    def _graph_sampling(self, step: StepInputs, seqs: list[Sequence], rows: StepRows,
+                        drafts: list[list[int]] | None) -> SamplingTensors | None:  # fmt: skip
         """The settings to sample the step inside its decode graph, or None when it samples
         outside. Inside: a graph-replayed decode step whose rows are graph_safe (StepRows), on
         one GPU, every row sampling in order, and no prompt row scored (its hidden state must
-        leave the graph)."""
+        leave the graph). A step with drafts (its rows one-token rows, as_decode_rows) draws
+        at every verified position there: its drafts are one-hot, so those draws are all that
+        verification needs (DraftStepHandle.of_draws)."""
         graphs = self.graphs
         if graphs is None or not graphs.can_sample or not rows.graph_safe:
             return None
         if not self._graph_decode(step) or len(step.prompt_rows):
             return None
-        if not is_arange(step.logits_indices, len(step.context_lens)):
+        num_rows = len(seqs) + (sum(map(len, drafts)) if drafts else 0)
+        if num_rows != len(step.context_lens):
             return None
+        if not is_arange(step.logits_indices, num_rows):
+            return None
+        if drafts:
+            return self.sampler.draft_settings(seqs, drafts, graphs.slots)
         return self.sampler.settings(seqs, graphs.slots)
 
     def run(
@@ -279,14 +295,16 @@ class ModelRunner:
         host = host_arrays(batch.num_scheduled_tokens, starts, tables, self.block_size)
         shards = self.tp.size > 1 and rows.shardable
         step = build_step_inputs(batch, host, settings_array(sampled_seqs) if shards else None)
+        if self._verifies_in_graph(batch, step):
+            step = as_decode_rows(step)
         if self.workers is not None:
             self.workers.publish(step)  # tensor parallel: every rank runs the same step
-        in_graph = self._graph_sampling(step, sampled_seqs, rows)
+        drafts = batch.sampled_drafts() if batch.draft_token_ids else None
+        in_graph = self._graph_sampling(step, sampled_seqs, rows, drafts)
         logits, prompt = self.execute(step, prev, in_graph)
         if self.workers is not None:
             self.workers.step_done()
         pending = None if prev is None else prev.tokens
-        drafts = batch.sampled_drafts() if batch.draft_token_ids else None
         handle = self.sampler.sample(logits, sampled_seqs, rows, pending, eos_token_ids, drafts)
         handle.prompt = prompt
         return handle

@@ -64,6 +64,12 @@ class ScheduledBatch:
         """Draft tokens that seq i's row carries after its last token."""
         return len(self.draft_token_ids[i]) if self.draft_token_ids else 0
 
+    def one_token_rows(self) -> bool:
+        """Whether every row computes one token, with the drafts it carries (no prefill chunk
+        of more than one token)."""
+        counts = self.num_scheduled_tokens
+        return all(n == 1 + self.num_drafts(i) for i, n in enumerate(counts))
+
 
 def prompt_logprob_spans(batch: ScheduledBatch) -> list[tuple[int, int, int]]:
     """(i, first, end) for each sequence i that scores prompt positions first..end-1 in this

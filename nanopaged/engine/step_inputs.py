@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -160,6 +160,22 @@ def build_step_inputs(
         pending_dst=pending[:, 0].copy(),
         pending_src=pending[:, 1].copy(),
         **extra,
+    )
+
+
+def as_decode_rows(step: StepInputs) -> StepInputs:
+    """The same step with each input token as a one-token decode row of its own: its context
+    ends at its position, its block table is its sequence's. A step whose rows hold only
+    cached context and their new tokens (a speculating step's last token and drafts) then runs
+    as a decode step, e.g. replayed from a decode graph: every token's K/V is stored before
+    any row attends, and each row reads only the positions up to its own."""
+    q_lens = np.diff(step.cu_seqlens_q)
+    n = len(step.input_ids)
+    return replace(
+        step,
+        tables=np.repeat(step.tables, q_lens, axis=0),
+        context_lens=(step.positions + 1).astype(np.int32),
+        cu_seqlens_q=np.arange(n + 1, dtype=np.int32),
     )
 
 

@@ -27,7 +27,7 @@ from nanopaged.sampling.ops import (
 from nanopaged.sampling.output import DeviceSamples, StepHandle
 from nanopaged.sampling.penalties import PenaltyCounts, mask_early_stops, penalize
 from nanopaged.sampling.rows import StepRows, row_stream
-from nanopaged.sampling.speculative import verify_drafts
+from nanopaged.sampling.speculative import DraftStepHandle, verify_drafts
 
 if TYPE_CHECKING:
     from nanopaged.engine.sequence import Sequence
@@ -79,6 +79,18 @@ class Sampler:
         st = sampling_tensors(params, streams, offsets, self.device, into, classes)
         self._cache = (key, st, offsets)
         return st
+
+    def draft_settings(self, seqs: list[Sequence], drafts: list[list[int]],
+                       into: SlotSettings) -> SamplingTensors:  # fmt: skip
+        """Settings of a step with drafts sampled in the decode graph: a row per verified
+        position, row i's settings at output positions offset_i + j for j = 0 .. d_i (the
+        plain sampler's draw there is what verification keeps, DraftStepHandle.of_draws)."""
+        self._cache = None  # the slots stop holding the last step's rows
+        counts = [len(d) + 1 for d in drafts]
+        per = [s for s, c in zip(seqs, counts) for _ in range(c)]
+        offsets = [s.num_output_tokens + j for s, c in zip(seqs, counts) for j in range(c)]
+        return sampling_tensors([s.sampling_params for s in per], [row_stream(s) for s in per],
+                                offsets, self.device, into, [s.row for s in per])  # fmt: skip
 
     def sample(
         self,
@@ -133,18 +145,23 @@ class Sampler:
 
     def sample_drafts(
         self,
-        logits: torch.Tensor,
+        logits: torch.Tensor | DeviceSamples,
         seqs: list[Sequence],
         rows: StepRows,
         drafts: list[list[int]],
         eos_token_ids: set[int],
     ) -> StepHandle:
         """A step with drafts: each sampled row's new tokens (a list of 1 .. d + 1) from its
-        logits rows ([sum(d_i + 1), vocab]: the row's last token's, then one per draft).
+        logits rows ([sum(d_i + 1), vocab]: the row's last token's, then one per draft), or
+        the draws at those positions, sampled in the decode graph (draft_settings).
         Its rows are plain (speculation refuses the rest) but for min_tokens, whose rows carry
         no drafts (Scheduler._may_draft): their one row is masked as usual."""
         assert not (rows.host or rows.penalties or rows.constrained), rows
         assert all(w is None for w in rows.logprob_widths), "logprobs are refused"
+        if isinstance(logits, DeviceSamples):  # drawn in the decode graph (draft_settings)
+            handle = DraftStepHandle.of_draws(logits, drafts)
+            handle.seqs = seqs
+            return handle
         if rows.early:
             per_row = [s for s, d in zip(seqs, drafts) for _ in range(len(d) + 1)]
             mask_early_stops(logits, per_row, eos_token_ids)

@@ -11,7 +11,8 @@ table), keyed by the target's seq_id. A propose call, for the rows the Scheduler
    trimmed as the target's are). Only the positions past the last call's tokens are compared.
 2. Catch up and draft 1: one forward over each row's tokens the draft has not seen (the whole
    prompt at first, after that the accepted drafts and the target's correction or bonus token),
-   in chunks of at most max_num_batched_tokens, the last chunk's final position giving draft 1.
+   in chunks of at most max_num_batched_tokens, the last chunk's final position giving draft 1
+   (on CUDA a pass whose tokens fit a decode graph replays it, each token a one-token row).
 3. Drafts 2..k: one-token decode steps (replayed through the draft's decode graphs on CUDA).
 
 Drafts are greedy (the argmax of the draft's logits), so their distribution q is one-hot: the
@@ -37,7 +38,7 @@ from nanopaged.engine.kv_cache import DEFAULT_CPU_KV_CACHE_MEMORY, kv_bytes_per_
 from nanopaged.engine.model_runner import ModelRunner
 from nanopaged.engine.sequence import Sequence
 from nanopaged.engine.startup import resolve_model_dir
-from nanopaged.engine.step_inputs import StepInputs, host_arrays
+from nanopaged.engine.step_inputs import StepInputs, as_decode_rows, host_arrays
 from nanopaged.sampling_params import SamplingParams
 from nanopaged.spec.config import SpeculativeConfig
 
@@ -232,6 +233,9 @@ class DraftProposer:
             blocks_to_swap_in=_NO_PAIRS, blocks_to_copy=_NO_PAIRS, pending_dst=empty,
             pending_src=empty,
         )  # fmt: skip
+        graphs = self.runner.graphs
+        if graphs is not None and graphs.can_run(len(input_ids)):
+            step = as_decode_rows(step)  # a catch-up of a few tokens a row: a graph replay
         logits, _ = self.runner.execute(step, None)
         for s, n in live:
             s.num_computed_tokens += n

@@ -29,7 +29,8 @@ def models(tmp_path_factory):
     return {
         "target": make_tiny_model(mk("target"), "llama", vocab_size=VOCAB),
         "draft": make_tiny_model(mk("draft"), "llama", seed=1, vocab_size=VOCAB,
-                                 hidden_size=32, num_hidden_layers=1),  # fmt: skip
+                                 hidden_size=32, num_attention_heads=2,
+                                 num_key_value_heads=2, num_hidden_layers=1),  # fmt: skip
         "other_vocab": make_tiny_model(mk("other"), "llama", vocab_size=2 * VOCAB),
     }
 
@@ -58,12 +59,15 @@ def assert_all_blocks_free(llm: LLM) -> None:
         assert not any(bm.ref_counts)
 
 
-def test_target_as_its_own_draft_accepts_everything(models):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_target_as_its_own_draft_accepts_everything(models, device):
+    # On CUDA the verify steps and the draft's catch-up passes replay decode graphs.
     path = models["target"]
     prompts = prompts_of(0)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    base, _ = run(path, prompts, params)
-    spec, llm = run(path, prompts, params, spec_of(path))
+    on = dict(device=device, kv_cache_memory=16 << 20)
+    base, _ = run(path, prompts, params, **on)
+    spec, llm = run(path, prompts, params, spec_of(path), **on)
     assert tokens(spec) == tokens(base)
     stats = llm.spec_stats()
     # Drafts are capped by max_tokens, so every one proposed is the target's own argmax.
@@ -80,12 +84,14 @@ def assert_drafts_both_ways(llm: LLM) -> None:
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
 
 
-def test_smaller_draft_gives_the_same_greedy_tokens(models):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_smaller_draft_gives_the_same_greedy_tokens(models, device):
     path = models["target"]
     prompts = prompts_of(1)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    base, _ = run(path, prompts, params)
-    spec, llm = run(path, prompts, params, spec_of(models["draft"]))
+    on = dict(device=device, kv_cache_memory=16 << 20)
+    base, _ = run(path, prompts, params, **on)
+    spec, llm = run(path, prompts, params, spec_of(models["draft"]), **on)
     assert tokens(spec) == tokens(base)
     assert_drafts_both_ways(llm)
     assert_all_blocks_free(llm)

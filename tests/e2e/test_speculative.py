@@ -15,6 +15,7 @@ from tiny_models import FAMILIES, hf_greedy, make_tiny_model
 
 from nanopaged import LLM, SamplingParams
 from nanopaged.engine.block_manager import hash_block
+from nanopaged.sampling.speculative import DraftStepHandle
 from nanopaged.spec.stops import find_stops_token_by_token
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
@@ -105,7 +106,51 @@ def test_greedy_equal_with_chunked_prefill(tiny):
     assert_all_blocks_free(llm)
 
 
-def test_n_samples_seeded_and_greedy_equal(tiny):
+def count_decode_row_steps(llm: LLM, monkeypatch, force: bool) -> list[int]:
+    """Spy on the target's steps with drafts that run as one-token decode rows; force: run
+    them so without decode graphs (the CPU), through the torch references, which store every
+    token's K/V before any row attends."""
+    from nanopaged.attention import TorchAttention
+
+    runner = llm.runner
+    verifies = runner._verifies_in_graph
+    if force:
+        runner.backend = TorchAttention()
+        runner.backend.bind(runner.model)
+        verifies = lambda batch, step: bool(batch.draft_token_ids) and batch.one_token_rows()  # noqa: E731
+    counted: list[int] = []
+
+    def spy(batch, step):
+        converted = verifies(batch, step)
+        if converted:
+            counted.append(len(step.input_ids))
+        return converted
+
+    monkeypatch.setattr(runner, "_verifies_in_graph", spy)
+    return counted
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_verify_as_one_token_rows_equals_no_speculation(tiny, device, monkeypatch):
+    """A verify step's tokens as one-token decode rows (how a decode graph replays it): the
+    same greedy tokens as without speculation, and as the prefill path's verification."""
+    path = tiny["llama"]
+    prompts = prompts_of(5)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    base, _ = run(path, prompts, params, device=device)
+    llm = LLM(str(path), dtype="float32", speculative_config=NGRAM, device=device,
+              max_model_len=MAX_MODEL_LEN)  # fmt: skip
+    counted = count_decode_row_steps(llm, monkeypatch, force=device == "cpu")
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert tokens(got) == tokens(base)
+    assert counted and max(counted) > len(prompts), counted  # rows of several tokens ran so
+    assert_drafts_both_ways(llm)
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_n_samples_seeded_and_greedy_equal(tiny, device, monkeypatch):
+    # On CUDA the verify steps draw at every position inside the decode graphs.
     path = tiny["qwen3"]
     prompts = prompts_of(3, count=4)
     params = [
@@ -114,12 +159,20 @@ def test_n_samples_seeded_and_greedy_equal(tiny):
         SamplingParams(temperature=1.0, top_k=8, n=2, seed=5, max_tokens=30, ignore_eos=True),
         SamplingParams(temperature=0.5, top_p=0.9, seed=3, max_tokens=30, ignore_eos=True),
     ]
-    base, _ = run(path, prompts, params)
-    spec, llm = run(path, prompts, params, NGRAM)
+    base, _ = run(path, prompts, params, device=device)
+    llm = LLM(str(path), dtype="float32", speculative_config=NGRAM, device=device,
+              max_model_len=MAX_MODEL_LEN)  # fmt: skip
+    counted = count_decode_row_steps(llm, monkeypatch, force=False)
+    of_draws = DraftStepHandle.of_draws
+    drawn = []
+    monkeypatch.setattr(DraftStepHandle, "of_draws",
+                        lambda draws, drafts: drawn.append(1) or of_draws(draws, drafts))  # fmt: skip
+    spec = llm.generate(prompts, params, use_tqdm=False)
     # Each new token is the plain sampler's draw at its position (same logits, same keyed
     # noise), so seeded samples do not depend on speculation.
     assert tokens(spec) == tokens(base)
     assert llm.spec_stats().num_accepted_tokens > 0
+    assert bool(counted) == bool(drawn) == (device == "cuda")
     assert_all_blocks_free(llm)
 
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from nanopaged.sampling.ops import sample, sampling_tensors
+from nanopaged.sampling.output import DeviceSamples, NonFiniteLogitsError
 from nanopaged.sampling.rejection import filtered_probs, rejection_sample
+from nanopaged.sampling.speculative import DraftStepHandle
 from nanopaged.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -88,6 +90,37 @@ def test_one_hot_drafts_give_the_plain_samplers_tokens():
         want.append(chain[: keep + 1])
     out = rejection_sample(logits, settings(rows, seeds, offsets), torch.tensor(drafts), ks)
     assert new_tokens(out) == want
+
+
+def test_draws_at_every_position_verify_as_the_rejection_sampler():
+    """A step sampled in the decode graph brings the plain sampler's draw at every verified
+    position (DraftStepHandle.of_draws): with one-hot drafts its new tokens are the rejection
+    sampler's, and only the logits of the tokens a row emits are checked for being finite."""
+    gen = torch.Generator().manual_seed(2)
+    vocab = 64
+    rows = MIXED * 2
+    ks = [(5 * i) % 6 for i in range(len(rows))]
+    seeds = [7 + 3 * i for i in range(len(rows))]
+    offsets = [i % 4 for i in range(len(rows))]
+    logits = torch.randn(sum(ks) + len(ks), vocab, generator=gen) * 2
+    plain = plain_tokens(logits, rows, seeds, offsets, ks)
+    drafts = []
+    for i, (k, chain) in enumerate(zip(ks, plain)):
+        keep = min(i % 3, k)
+        drafts.append(chain[:keep] + [(t + 2 + i) % vocab for t in chain[keep:k]])
+    flat = torch.tensor([t for chain in plain for t in chain])
+    draws = DeviceSamples(flat, logits.gather(1, flat[:, None])[:, 0])
+    want = rejection_sample(logits, settings(rows, seeds, offsets),
+                            torch.tensor([t for d in drafts for t in d]), ks)  # fmt: skip
+    assert DraftStepHandle.of_draws(draws, drafts).result() == new_tokens(want)
+    # A non-finite logit past a row's new tokens is not its output's: no error.
+    row = next(i for i, k in enumerate(ks) if len(new_tokens(want)[i]) <= k)
+    past = sum(k + 1 for k in ks[:row]) + len(new_tokens(want)[row])
+    draws.sampled_logits[past] = float("nan")
+    assert DraftStepHandle.of_draws(draws, drafts).result() == new_tokens(want)
+    draws.sampled_logits[past - 1] = float("inf")  # the row's last new token
+    with pytest.raises(NonFiniteLogitsError):
+        DraftStepHandle.of_draws(draws, drafts).result()
 
 
 def filtered_ref(x_raw: torch.Tensor, temp: float, top_k: int, top_p: float, min_p: float):

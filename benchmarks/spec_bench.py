@@ -1,0 +1,211 @@
+"""Speculative decoding on a repetitive workload: tokens/s with and without it, same process.
+
+python benchmarks/spec_bench.py [--model PATH] [--batch 1 4 16 32] [--max-tokens 256] [--rounds 2]
+                                [--draft PATH --kv-cache-memory BYTES] [--json PATH]
+
+The workload ("edit"): 8 chat requests whose answers mostly repeat text the prompt holds,
+as in code editing and proofreading: four Python functions, each to be returned whole with
+one change (rename a variable, add a docstring, add type hints, fix an off-by-one), and four
+paragraphs, each to be returned with one word replaced or its typos fixed. Greedy decoding,
+up to --max-tokens tokens each, EOS honoured. The default model is the embedded
+SmolLM2-135M-Instruct (a real model: acceptance depends on what it writes).
+
+For each batch size B the requests run in groups of B (the 8 repeated to fill the groups,
+each group a `chat` of B conversations), without speculation and with each configuration:
+n-gram (k = 4, lookup 2..4), and a draft model with --draft. Each LLM is built, runs all 8
+conversations once at each B untimed (every kernel variant compiled), then is timed on
+--groups groups. The configurations take turns for --rounds rounds, each on a fresh LLM; the
+fastest round counts. Reported: output tokens per second, the ratio to no speculation at the
+same B, the acceptance rate and mean accepted length.
+Speculation switches off above disable_by_batch_size; here it is set off (None) so that each
+batch size shows what speculating costs or gains there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CODE = [
+    '''def moving_average(values, window):
+    result = []
+    total = 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            result.append(total / window)
+    return result''',
+    '''def parse_config(lines):
+    config = {}
+    section = None
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+            config[section] = {}
+        elif "=" in line and section is not None:
+            key, value = line.split("=", 1)
+            config[section][key.strip()] = value.strip()
+    return config''',
+    '''def merge_sorted(a, b):
+    out = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i] <= b[j]:
+            out.append(a[i])
+            i += 1
+        else:
+            out.append(b[j])
+            j += 1
+    out.extend(a[i:])
+    out.extend(b[j:])
+    return out''',
+    '''def count_words(text):
+    counts = {}
+    for word in text.lower().split():
+        word = word.strip(".,;:!?")
+        if word:
+            counts[word] = counts.get(word, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    return ranked[:10]''',
+]
+CODE_TASKS = [
+    "Repeat the following code exactly, renaming the variable `total` to `running_sum`",
+    "Repeat the following code exactly, renaming the function to `read_config`",
+    "Repeat the following code exactly, adding a comment line before the return",
+    "Repeat the following code exactly, changing `[:10]` to `[:20]`",
+]
+TEXTS = [
+    "The old lighthouse stood at the edge of the cliff for more than a hundred years. Every "
+    "night its keeper climbed the narrow stairs, lit the lamp and watched the ships pass in "
+    "the dark. When the storms came, the light was the only thing the sailors could see, and "
+    "many of them owed their lives to the quiet man who never missed a single night.",
+    "Our team meets every Monday at nine to plan the week. We review the open tickets, agree "
+    "on priorities and assign the work. On Friday we meet again to look at what was finished, "
+    "what is blocked and what we learned. Notes from both meetings are shared with everyone "
+    "on the project the same day.",
+    "To bake the bread, mix the flour, water, salt and yeast in a large bowl until a soft "
+    "dough forms. Knead it for ten minutes, then leave it to rise in a warm place for an hour. "
+    "Shape the loaf, let it rise again for thirty minutes and bake it at two hundred degrees "
+    "for about forty minutes, until the crust is golden.",
+    "The library will be closed on Saturday for maintenence. Books that are due that day can "
+    "be returned on Monday without a fine. The online catalogue and the e-book service stay "
+    "avaliable during the closure, and the reading room will reopen with longer hours next "
+    "week.",
+]
+TEXT_TASKS = [
+    "Repeat the following text, replacing the word 'lighthouse' with 'tower'",
+    "Repeat the following text, replacing 'Monday' with 'Tuesday'",
+    "Repeat the following text exactly, replacing 'bread' with 'loaf'",
+    "Repeat the following text with its spelling mistakes corrected",
+]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+         "prompt_lookup_min": 2}  # fmt: skip
+
+
+def edit_workload() -> list[list[dict]]:
+    """The 8 conversations of the workload (see the module docstring)."""
+    code = [f"{task}:\n\n```python\n{src}\n```"
+            for task, src in zip(CODE_TASKS, CODE)]  # fmt: skip
+    text = [f"{task}:\n\n{src}" for task, src in zip(TEXT_TASKS, TEXTS)]
+    return [[{"role": "user", "content": c}] for c in code + text]
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_config(model: str, spec: dict | None, batches: list[int], max_tokens: int,
+               groups: int, llm_kwargs: dict) -> list[dict]:  # fmt: skip
+    """One LLM with this speculative_config: per batch size, tok/s over `groups` timed groups."""
+    from nanopaged import LLM, SamplingParams
+
+    spec = None if spec is None else {**spec, "disable_by_batch_size": None}
+    llm = LLM(model, speculative_config=spec, **llm_kwargs)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    convs = edit_workload()
+    rows = []
+    for batch in batches:
+        pool = [convs[i % len(convs)] for i in range(batch * groups)]
+        for g in range(0, len(convs), batch):  # warm-up: every conversation at this B
+            llm.chat([convs[(g + i) % len(convs)] for i in range(batch)], params, use_tqdm=False)
+        stats0 = llm.spec_stats() if spec else None
+        tokens, seconds = 0, 0.0
+        for g in range(groups):
+            _sync()
+            t = time.perf_counter()
+            outs = llm.chat(pool[g * batch : (g + 1) * batch], params, use_tqdm=False)
+            _sync()
+            seconds += time.perf_counter() - t
+            tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+        row = dict(batch=batch, tokens=tokens, seconds=seconds, tok_per_s=tokens / seconds)
+        if spec:
+            row["speculation"] = llm.spec_stats().since(stats0).as_dict()
+        rows.append(row)
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1])
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--groups", type=int, default=8, help="timed groups per batch size")
+    parser.add_argument("--rounds", type=int, default=2, help="turns of each configuration")
+    parser.add_argument("--draft", default=None, help="a draft model for a draft_model row")
+    parser.add_argument("--kv-cache-memory", type=int, default=None,
+                        help="bytes of KV cache (a draft_model run on a GPU needs it)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    from nanopaged.gguf import embedded_gguf
+
+    model = args.model or str(embedded_gguf())
+    llm_kwargs = dict(dtype=args.dtype, max_model_len=2048, kv_cache_memory=args.kv_cache_memory)
+    configs: dict[str, dict | None] = {"none": None, "ngram k=4": NGRAM}
+    if args.draft:
+        configs["draft_model k=4"] = {"method": "draft_model", "model": args.draft,
+                                      "num_speculative_tokens": 4}  # fmt: skip
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    result = {"device": device, "model": model, "max_tokens": args.max_tokens, "runs": {}}
+    for _ in range(args.rounds):
+        for name, spec in configs.items():
+            rows = run_config(model, spec, args.batch, args.max_tokens, args.groups, llm_kwargs)
+            best = result["runs"].setdefault(name, rows)
+            for i, row in enumerate(rows):
+                if row["tok_per_s"] > best[i]["tok_per_s"]:
+                    best[i] = row
+    base = {r["batch"]: r["tok_per_s"] for r in result["runs"]["none"]}
+    print(f"{device}, {Path(model).name}, greedy, up to {args.max_tokens} tokens a request")
+    for name, rows in result["runs"].items():
+        for r in rows:
+            r["ratio"] = r["tok_per_s"] / base[r["batch"]]
+            s = r.get("speculation")
+            extra = (f", acceptance {s['acceptance_rate']:.2f}, mean accepted length "
+                     f"{s['mean_accepted_length']:.2f}" if s else "")  # fmt: skip
+            print(f"{name:18s} batch {r['batch']:3d}: {r['tok_per_s']:9.1f} tok/s = "
+                  f"{r['ratio']:.2f}x{extra}", flush=True)  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
