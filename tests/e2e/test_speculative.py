@@ -165,8 +165,8 @@ def test_n_samples_seeded_and_greedy_equal(tiny, device, monkeypatch):
     counted = count_decode_row_steps(llm, monkeypatch, force=False)
     of_draws = DraftStepHandle.of_draws
     drawn = []
-    monkeypatch.setattr(DraftStepHandle, "of_draws",
-                        lambda draws, drafts: drawn.append(1) or of_draws(draws, drafts))  # fmt: skip
+    spy = lambda draws, drafts: drawn.append(1) or of_draws(draws, drafts)  # noqa: E731
+    monkeypatch.setattr(DraftStepHandle, "of_draws", spy)
     spec = llm.generate(prompts, params, use_tqdm=False)
     # Each new token is the plain sampler's draw at its position (same logits, same keyed
     # noise), so seeded samples do not depend on speculation.
