@@ -285,17 +285,29 @@ if triton is not None:
         tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-    # GEMV kernel (few rows). Per weight: a shift, a mask-and-or (one LOP3), a subtract and one
-    # FMA per row of x. The nibble becomes a float without a conversion instruction (those run
-    # at an eighth of the FMA rate on sm_90): or-ed into the mantissa of 2^23 it reads as
-    # 2^23 + q, and subtracting 2^23 + zero leaves q - zero exactly, so the zero costs nothing.
-    # A tile lies in one group, so the group's scale multiplies each column's sum, not each
-    # weight. Rows of x loop inside the program: the packed tile is read once for all of them.
+    # GEMV kernel (few rows). A nibble becomes a float without a conversion instruction (those
+    # run at an eighth of the FMA rate on sm_90): masked in place and or-ed into the mantissa of
+    # 2^23, nibble n of an int32 reads as 2^23 + q * 2^s (s = 4n for n <= 4; nibbles 5-7 come
+    # from the int32 shifted right by 12, one shift for three nibbles), and subtracting
+    # 2^23 + zero * 2^s leaves (q - zero) * 2^s exactly. Per weight: one and-or (LOP3), one
+    # subtract, one FMA per row of x; the power of two goes into the column's scale (AWQ) or
+    # into x (GPTQ), the zero costs nothing. A tile lies in one group, so the group's scale
+    # multiplies each column's sum, not each weight. Rows of x loop inside the program: the
+    # packed tile is read once for all of them.
 
     @triton.jit
     def _magic(bits):
         """int32 values in [0, 2^23) -> 2^23 + value as fp32, by bits alone."""
         return (bits | 0x4B000000).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _nibble(packed, hi, NIBBLE: tl.constexpr):
+        """2^23 + q * 2^s as fp32 for nibble NIBBLE of each int32 (hi: packed >> 12; s = 4
+        NIBBLE up to nibble 4, else 4 NIBBLE - 12), by one and-or."""
+        if NIBBLE <= 4:
+            return _magic(packed & (0xF << (4 * NIBBLE)))
+        else:
+            return _magic(hi & (0xF << (4 * NIBBLE - 12)))
 
     @triton.jit
     def _add_rows(acc, x_ptr, w, offs_k, mask_k, row0, M, stride_xm, scale, BLOCK_M: tl.constexpr):
@@ -312,26 +324,28 @@ if triton is not None:
 
     @triton.jit
     def _gemv_awq_cols(
-        acc, packed, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k, mask_k, row0, M,
+        acc, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k, mask_k, row0, M,
         stride_xm, stride_s, zero_offset, J: tl.constexpr,
         HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, BLOCK_M: tl.constexpr,
     ):  # fmt: skip
         """acc [BLOCK_M, P] += the AWQ tile's sums for output column 8 p + J of each pack p."""
-        shift = ((J % 2) * 4 + J // 2) * 4
-        q = _magic((packed >> shift) & 0xF)  # [BLOCK_K, P]: 2^23 + q
+        NIBBLE: tl.constexpr = (J % 2) * 4 + J // 2
+        SHIFT: tl.constexpr = 4 * NIBBLE - 12 * (NIBBLE > 4)  # see _nibble
+        q = _nibble(packed, hi, NIBBLE)  # [BLOCK_K, P]: 2^23 + q * 2^SHIFT
         cols = offs_p * 8 + J
-        if HAS_ZEROS:
-            bias = _magic(((zp >> shift) & 0xF) + zero_offset)  # 2^23 + zero: [P] or [BLOCK_K, P]
+        if HAS_ZEROS:  # 2^23 + zero * 2^SHIFT: [P] or [BLOCK_K, P]
+            bias = _magic((((zp >> (4 * NIBBLE)) & 0xF) + zero_offset) << SHIFT)
         else:
-            bias = 8388616.0  # 2^23 + 8
+            bias = 8388608.0 + 8.0 * (1 << SHIFT)
         if HAS_G_IDX:
             # rows of a tile may sit in any group: a scale per weight
             mask = mask_k[:, None] & mask_p[None, :]
             scale = tl.load(s_ptr + gk[:, None] * stride_s + cols[None, :], mask=mask, other=0.0)
-            w = (q - bias) * scale.to(tl.float32)
+            w = (q - bias) * (scale.to(tl.float32) * (1.0 / (1 << SHIFT)))
             acc = _add_rows(acc, x_ptr, w, offs_k, mask_k, row0, M, stride_xm, 1.0, BLOCK_M)
         else:
             scale = tl.load(s_ptr + g * stride_s + cols, mask=mask_p, other=0.0).to(tl.float32)
+            scale = scale * (1.0 / (1 << SHIFT))
             if HAS_ZEROS:
                 w = q - bias[None, :]
             else:
@@ -366,6 +380,7 @@ if triton is not None:
             # packed: [BLOCK_K, P] int32, each row's P int32s contiguous
             packed = tl.load(qw_ptr + offs_k[:, None] * stride_qw + offs_p[None, :], mask=mask,
                              other=0)  # fmt: skip
+            hi = packed >> 12
             g = k0 // group_size
             gk = offs_k
             zp = 0
@@ -376,28 +391,28 @@ if triton is not None:
                                  other=0)  # fmt: skip
             elif HAS_ZEROS:
                 zp = tl.load(z_ptr + g * stride_z + offs_p, mask=mask_p, other=0)
-            a0 = _gemv_awq_cols(a0, packed, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
+            a0 = _gemv_awq_cols(a0, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
                                 mask_k, row0, M, stride_xm, stride_s, zero_offset, 0,
                                 HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
-            a1 = _gemv_awq_cols(a1, packed, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
+            a1 = _gemv_awq_cols(a1, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
                                 mask_k, row0, M, stride_xm, stride_s, zero_offset, 1,
                                 HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
-            a2 = _gemv_awq_cols(a2, packed, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
+            a2 = _gemv_awq_cols(a2, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
                                 mask_k, row0, M, stride_xm, stride_s, zero_offset, 2,
                                 HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
-            a3 = _gemv_awq_cols(a3, packed, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
+            a3 = _gemv_awq_cols(a3, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
                                 mask_k, row0, M, stride_xm, stride_s, zero_offset, 3,
                                 HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
-            a4 = _gemv_awq_cols(a4, packed, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
+            a4 = _gemv_awq_cols(a4, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
                                 mask_k, row0, M, stride_xm, stride_s, zero_offset, 4,
                                 HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
-            a5 = _gemv_awq_cols(a5, packed, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
+            a5 = _gemv_awq_cols(a5, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
                                 mask_k, row0, M, stride_xm, stride_s, zero_offset, 5,
                                 HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
-            a6 = _gemv_awq_cols(a6, packed, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
+            a6 = _gemv_awq_cols(a6, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
                                 mask_k, row0, M, stride_xm, stride_s, zero_offset, 6,
                                 HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
-            a7 = _gemv_awq_cols(a7, packed, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
+            a7 = _gemv_awq_cols(a7, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
                                 mask_k, row0, M, stride_xm, stride_s, zero_offset, 7,
                                 HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
         rows = row0 + tl.arange(0, BLOCK_M)
@@ -412,6 +427,35 @@ if triton is not None:
         _store_awq_cols(dest, a7, rows, mask_m, offs_p, mask_p, stride_d, 7)
 
     @triton.jit
+    def _gptq_row(
+        packed, hi, zq, scale, x_ptr, s_ptr, z_ptr, g_ptr, row, offs_pk, mask_pk, offs_n, mask,
+        stride_xm, stride_s, stride_z, zero_offset,
+        HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
+    ):  # fmt: skip
+        """[BLOCK_N] sums of one row of x over a GPTQ tile: nibble i of packed row pk is input
+        row 8 pk + i, so the eight nibbles add up in each thread before one reduction."""
+        t = tl.zeros(packed.shape, dtype=tl.float32)
+        for i in tl.static_range(8):
+            SHIFT: tl.constexpr = 4 * i - 12 * (i > 4)  # see _nibble
+            q = _nibble(packed, hi, i)  # [BLOCK_K / 8, BLOCK_N]: 2^23 + q * 2^SHIFT
+            x = tl.load(x_ptr + row * stride_xm + offs_pk * 8 + i, mask=mask_pk, other=0.0)
+            x = x.to(tl.float32) * (1.0 / (1 << SHIFT))
+            if HAS_G_IDX:
+                # rows of a tile may sit in any group: a scale and zero per weight
+                gk = tl.load(g_ptr + offs_pk * 8 + i, mask=mask_pk, other=0)
+                s = tl.load(s_ptr + gk[:, None] * stride_s + offs_n[None, :], mask=mask, other=0.0)
+                z = 8
+                if HAS_ZEROS:
+                    zp = tl.load(z_ptr + gk[:, None] * stride_z + (offs_n // 8)[None, :],
+                                 mask=mask, other=0)  # fmt: skip
+                    z = ((zp >> (offs_n % 8)[None, :] * 4) & 0xF) + zero_offset
+                w = (q - _magic(z << SHIFT)) * s.to(tl.float32)
+            else:
+                w = q - _magic(zq << SHIFT)[None, :]
+            t += x[:, None] * w
+        return tl.sum(t, axis=0)
+
+    @triton.jit
     def _gemv_gptq(
         x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, dest, M, N, k_start, k_end, group_size, zero_offset,
         stride_xm, stride_qw, stride_s, stride_z, stride_d, pid_n, row0,
@@ -419,9 +463,10 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """dest [rows, this block's columns] = the GPTQ weight's sums over K rows [k_start,
-        k_end): nibble i of packed row pk is input row 8 pk + i, all in the same columns."""
+        k_end)."""
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
+        rows = tl.arange(0, BLOCK_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             offs_pk = k0 // 8 + tl.arange(0, BLOCK_K // 8)
@@ -430,36 +475,26 @@ if triton is not None:
             # packed: [BLOCK_K / 8, BLOCK_N] int32, each row's BLOCK_N int32s contiguous
             packed = tl.load(qw_ptr + offs_pk[:, None] * stride_qw + offs_n[None, :], mask=mask,
                              other=0)  # fmt: skip
+            hi = packed >> 12
+            g = k0 // group_size
+            scale = 1.0
+            zq = tl.full((BLOCK_N,), 8, tl.int32)  # the column's zero (symmetric: 8)
             if not HAS_G_IDX:
-                g = k0 // group_size
                 scale = tl.load(s_ptr + g * stride_s + offs_n, mask=mask_n, other=0.0)
                 scale = scale.to(tl.float32)
-                bias = 8388616.0  # 2^23 + 8
                 if HAS_ZEROS:
                     zp = tl.load(z_ptr + g * stride_z + offs_n // 8, mask=mask_n, other=0)
-                    bias = _magic(((zp >> (offs_n % 8) * 4) & 0xF) + zero_offset)[None, :]
+                    zq = ((zp >> (offs_n % 8) * 4) & 0xF) + zero_offset
             tile = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for i in tl.static_range(8):
-                q = _magic((packed >> (4 * i)) & 0xF)  # 2^23 + q of input rows 8 pk + i
-                if HAS_G_IDX:
-                    gk = tl.load(g_ptr + offs_pk * 8 + i, mask=mask_pk, other=0)
-                    scale = tl.load(s_ptr + gk[:, None] * stride_s + offs_n[None, :], mask=mask,
-                                    other=0.0)  # fmt: skip
-                    bias = 8388616.0
-                    if HAS_ZEROS:
-                        zp = tl.load(z_ptr + gk[:, None] * stride_z + (offs_n // 8)[None, :],
-                                     mask=mask, other=0)  # fmt: skip
-                        bias = _magic(((zp >> (offs_n % 8)[None, :] * 4) & 0xF) + zero_offset)
-                    w = (q - bias) * scale.to(tl.float32)
-                else:
-                    w = q - bias
-                tile = _add_rows(tile, x_ptr, w, offs_pk * 8 + i, mask_pk, row0, M, stride_xm,
-                                 1.0, BLOCK_M)  # fmt: skip
-            if HAS_G_IDX:
-                acc += tile
-            else:
-                acc += tile * scale[None, :]
-        rows = row0 + tl.arange(0, BLOCK_M)
+            for r in tl.static_range(BLOCK_M):
+                # rows past M read row M - 1: never stored, and no row mask per load
+                row = tl.minimum(row0 + r, M - 1)
+                part = _gptq_row(packed, hi, zq, scale, x_ptr, s_ptr, z_ptr, g_ptr, row, offs_pk,
+                                 mask_pk, offs_n, mask, stride_xm, stride_s, stride_z,
+                                 zero_offset, HAS_ZEROS, HAS_G_IDX)  # fmt: skip
+                tile += tl.where(rows[:, None] == r, part[None, :], 0.0)
+            acc += tile * scale
+        rows = row0 + rows
         tl.store(dest + rows[:, None] * stride_d + offs_n[None, :],
                  acc.to(dest.dtype.element_ty), mask=(rows < M)[:, None] & mask_n[None, :])
 
