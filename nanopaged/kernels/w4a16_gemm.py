@@ -133,19 +133,20 @@ class W4A16Config:
 M_GEMV = 8  # rows up to which the default launch is the GEMV kernel
 
 
-def _gemv_tile(rows: int) -> W4A16Config:
-    """The GEMV default for up to `rows` rows: 256 columns (AWQ: 128 bytes of each packed row,
-    GPTQ: 1 KB), 128 K rows (16 KB of packed weight a tile), K split to fill the GPU."""
-    return W4A16Config(rows, 256, 128, split_k=0, num_warps=4, num_stages=2, gemv=True)
+def _gemv_tile(rows: int, block_k: int) -> W4A16Config:
+    """A GEMV default for up to `rows` rows: 256 columns (AWQ: 128 bytes of each packed row,
+    GPTQ: 1 KB), K split to fill the GPU; fewer K rows a tile as rows grow, for registers
+    (sm_90 builds of 8 rows at 128 K rows spill)."""
+    return W4A16Config(rows, 256, block_k, split_k=0, num_warps=4, num_stages=2, gemv=True)
 
 
 # Tiles by row count: the first entry whose max rows >= m. Edit from
 # `benchmarks/quant_gemm_bench.py --tune`, which prints its best launch per shape in this form.
 DEFAULT_TILES: tuple[tuple[int, W4A16Config], ...] = (
-    (1, _gemv_tile(1)),
-    (2, _gemv_tile(2)),
-    (4, _gemv_tile(4)),
-    (M_GEMV, _gemv_tile(M_GEMV)),
+    (1, _gemv_tile(1, 128)),
+    (2, _gemv_tile(2, 64)),
+    (4, _gemv_tile(4, 32)),
+    (M_GEMV, _gemv_tile(M_GEMV, 32)),
     (16, W4A16Config(16, 128, 64, split_k=0, num_warps=4, num_stages=3)),
     (64, W4A16Config(32, 128, 64, split_k=0, num_warps=4, num_stages=3)),
     (128, W4A16Config(64, 128, 64, split_k=1, num_warps=8, num_stages=3)),
@@ -283,7 +284,6 @@ if triton is not None:
         for s in tl.static_range(1, SPLITS):
             total += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
         tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
-
 
     # GEMV kernel (few rows). A nibble becomes a float without a conversion instruction (those
     # run at an eighth of the FMA rate on sm_90): masked in place and or-ed into the mantissa of
@@ -436,7 +436,7 @@ if triton is not None:
         row 8 pk + i, so the eight nibbles add up in each thread before one reduction."""
         t = tl.zeros(packed.shape, dtype=tl.float32)
         for i in tl.static_range(8):
-            SHIFT: tl.constexpr = 4 * i - 12 * (i > 4)  # see _nibble
+            SHIFT = 4 * i - 12 * (i > 4)  # see _nibble
             q = _nibble(packed, hi, i)  # [BLOCK_K / 8, BLOCK_N]: 2^23 + q * 2^SHIFT
             x = tl.load(x_ptr + row * stride_xm + offs_pk * 8 + i, mask=mask_pk, other=0.0)
             x = x.to(tl.float32) * (1.0 / (1 << SHIFT))
@@ -495,8 +495,9 @@ if triton is not None:
                 tile += tl.where(rows[:, None] == r, part[None, :], 0.0)
             acc += tile * scale
         rows = row0 + rows
-        tl.store(dest + rows[:, None] * stride_d + offs_n[None, :],
-                 acc.to(dest.dtype.element_ty), mask=(rows < M)[:, None] & mask_n[None, :])
+        mask = (rows < M)[:, None] & mask_n[None, :]
+        tl.store(dest + rows[:, None] * stride_d + offs_n[None, :], acc.to(dest.dtype.element_ty),
+                 mask=mask)  # fmt: skip
 
     @triton.jit
     def _sum_if_last(
