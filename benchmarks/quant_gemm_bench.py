@@ -1,9 +1,9 @@
 """Quantized GEMMs on Qwen3-8B's projection shapes against their bandwidth bound (GPU only):
 W4A16 (AWQ, GPTQ, GPTQ desc_act) and W8A8 FP8 (128x128 blocks; per channel through the Triton
-kernel and through torch._scaled_mm), with bf16 cuBLAS (F.linear) beside them, at 1, 16 and
-256 rows.
+kernel and through torch._scaled_mm), with bf16 cuBLAS (F.linear) beside them, at 1, 4, 8, 16
+and 256 rows (W4A16 up to M_GEMV rows runs its GEMV kernel, above it the tensor-core one).
 
-python benchmarks/quant_gemm_bench.py [--rows 1 16 256] [--kinds ...] [--shapes ...] [--tune]
+python benchmarks/quant_gemm_bench.py [--rows 1 4 8 16 256] [--kinds ...] [--shapes ...] [--tune]
     [--json PATH]
 
 Device time per call from CUDA graphs of many calls, each reading the next of several weight
@@ -44,6 +44,7 @@ GROUP = 128
 BLOCK = (128, 128)
 KINDS = ("bf16", "awq", "gptq", "gptq-desc_act", "fp8-block", "fp8-channel",
          "fp8-channel-scaled_mm")  # fmt: skip
+INT4_KINDS = ("awq", "gptq", "gptq-desc_act")
 
 
 def _int32(shape) -> torch.Tensor:
@@ -82,7 +83,7 @@ def make_call(kind: str, x: torch.Tensor, config=None):
     """call(weight) -> output, as the layer computes it (FP8: activation quantization too)."""
     if kind == "bf16":
         return lambda w: F.linear(x, w)
-    if kind in ("awq", "gptq", "gptq-desc_act"):
+    if kind in INT4_KINDS:
         return lambda w: w4a16_gemm.w4a16_gemm(x, w, config)
     if kind == "fp8-channel-scaled_mm":
 
@@ -120,19 +121,30 @@ def time_kind(kind: str, copies: list, n: int, k: int, m: int, bw: float, config
 
 def candidates(kind: str, m: int) -> list:
     """Launches --tune tries for the Triton kernels: decode tiles of 16 rows with K splits,
-    wider tiles as rows grow (split_k 0 is the launcher's own split)."""
+    wider tiles as rows grow (split_k 0 is the launcher's own split); up to M_GEMV rows the
+    W4A16 GEMV kernel too (one row tile; K splits summed by the last split or by a second
+    launch), so the table may pick either kernel per shape."""
     if m <= 16:
         grid = ((16,), (16, 32, 64, 128), (64, 128), (0, 1, 2, 4, 8), (4,), (3, 4))
     elif m <= 64:
         grid = ((32, 64), (64, 128), (64, 128), (1, 2), (4, 8), (3, 4))
     else:
         grid = ((64, 128), (128, 256), (64, 128), (1,), (4, 8), (3, 4))
-    cls = W4A16Config if kind in ("awq", "gptq", "gptq-desc_act") else fp8_gemm.Fp8GemmConfig
-    return [cls(*launch) for launch in itertools.product(*grid)]
+    if kind not in INT4_KINDS:
+        return [fp8_gemm.Fp8GemmConfig(*launch) for launch in itertools.product(*grid)]
+    found = [W4A16Config(*launch) for launch in itertools.product(*grid)]
+    if m <= w4a16_gemm.M_GEMV:
+        rows = next(r for r, _ in w4a16_gemm.DEFAULT_TILES if m <= r)
+        gemv = ((rows,), (256, 512), (32, 64, 128), (0, 4, 8, 16), (4, 8), (2,))
+        for launch in itertools.product(*gemv):
+            found.append(W4A16Config(*launch, gemv=True))
+            if launch[3] == 0:  # the launcher's split summed by sum_splits
+                found.append(W4A16Config(*launch, gemv=True, fused_sum=False))
+    return found
 
 
 def kernel_module(kind: str):
-    return w4a16_gemm if kind in ("awq", "gptq", "gptq-desc_act") else fp8_gemm
+    return w4a16_gemm if kind in INT4_KINDS else fp8_gemm
 
 
 def tuned_line(kind: str, m: int, n: int, k: int, config: dict) -> str:
@@ -157,7 +169,7 @@ def tune(kind: str, copies: list, m: int, bw: float, row: dict) -> dict:
         best = tried if tried["us"] < best["us"] else best
     if best["config"] is None:  # the default won: name its launch
         n, k = row["n"], row["k"]
-        group = GROUP if kind in ("awq", "gptq", "gptq-desc_act") else (
+        group = GROUP if kind in INT4_KINDS else (
             BLOCK[1] if kind == "fp8-block" else k)  # fmt: skip
         best = dict(best, config=kernel_module(kind).default_config(m, n, k, group).__dict__)
     return best
@@ -165,7 +177,7 @@ def tune(kind: str, copies: list, m: int, bw: float, row: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 256])
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--tune", action="store_true", help="time candidate Triton launches")

@@ -24,7 +24,7 @@ and one small kernel adds them in split order (deterministic) and rounds to the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -115,7 +115,10 @@ def w4a16_gemm_ref(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 @dataclass(frozen=True)
 class W4A16Config:
     """Launch parameters; block_k must divide the group size (one scale row per tile) unless
-    the weight carries g_idx. split_k 0: split K until about one wave of programs."""
+    the weight carries g_idx. split_k 0: split K until about one wave of programs. gemv: the
+    GEMV kernel (block_m rows per program, no tensor cores) instead of the tensor-core one;
+    fused_sum (GEMV with split K): the program that finishes a column block last adds the
+    splits' partials in split order, instead of a second launch."""
 
     block_m: int
     block_n: int
@@ -123,11 +126,27 @@ class W4A16Config:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    gemv: bool = False
+    fused_sum: bool = True
+
+
+M_GEMV = 8  # rows up to which the default launch is the GEMV kernel
+
+
+def _gemv_tile(rows: int, block_k: int) -> W4A16Config:
+    """A GEMV default for up to `rows` rows: 256 columns (AWQ: 128 bytes of each packed row,
+    GPTQ: 1 KB), K split to fill the GPU; fewer K rows a tile as rows grow, for registers
+    (sm_90 builds of 8 rows at 128 K rows spill)."""
+    return W4A16Config(rows, 256, block_k, split_k=0, num_warps=4, num_stages=2, gemv=True)
 
 
 # Tiles by row count: the first entry whose max rows >= m. Edit from
 # `benchmarks/quant_gemm_bench.py --tune`, which prints its best launch per shape in this form.
 DEFAULT_TILES: tuple[tuple[int, W4A16Config], ...] = (
+    (1, _gemv_tile(1, 128)),
+    (2, _gemv_tile(2, 64)),
+    (4, _gemv_tile(4, 32)),
+    (M_GEMV, _gemv_tile(M_GEMV, 32)),
     (16, W4A16Config(16, 128, 64, split_k=0, num_warps=4, num_stages=3)),
     (64, W4A16Config(32, 128, 64, split_k=0, num_warps=4, num_stages=3)),
     (128, W4A16Config(64, 128, 64, split_k=1, num_warps=8, num_stages=3)),
@@ -159,8 +178,7 @@ def default_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132) 
     if split == 0:
         tiles = -(-m // config.block_m) * -(-n // config.block_n)
         split = auto_split(tiles, k, block_k, num_sms)
-    return W4A16Config(config.block_m, config.block_n, block_k, split, config.num_warps,
-                       config.num_stages)  # fmt: skip
+    return replace(config, block_k=block_k, split_k=split)
 
 
 if triton is not None:
@@ -267,6 +285,280 @@ if triton is not None:
             total += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
         tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
+    # GEMV kernel (few rows). A nibble becomes a float without a conversion instruction (those
+    # run at an eighth of the FMA rate on sm_90): masked in place and or-ed into the mantissa of
+    # 2^23, nibble n of an int32 reads as 2^23 + q * 2^s (s = 4n for n <= 4; nibbles 5-7 come
+    # from the int32 shifted right by 12, one shift for three nibbles), and subtracting
+    # 2^23 + zero * 2^s leaves (q - zero) * 2^s exactly. Per weight: one and-or (LOP3), one
+    # subtract, one FMA per row of x; the power of two goes into the column's scale (AWQ) or
+    # into x (GPTQ), the zero costs nothing. A tile lies in one group, so the group's scale
+    # multiplies each column's sum, not each weight. Rows of x loop inside the program: the
+    # packed tile is read once for all of them.
+
+    @triton.jit
+    def _magic(bits):
+        """int32 values in [0, 2^23) -> 2^23 + value as fp32, by bits alone."""
+        return (bits | 0x4B000000).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _nibble(packed, hi, NIBBLE: tl.constexpr):
+        """2^23 + q * 2^s as fp32 for nibble NIBBLE of each int32 (hi: packed >> 12; s = 4
+        NIBBLE up to nibble 4, else 4 NIBBLE - 12), by one and-or."""
+        if NIBBLE <= 4:
+            return _magic(packed & (0xF << (4 * NIBBLE)))
+        else:
+            return _magic(hi & (0xF << (4 * NIBBLE - 12)))
+
+    @triton.jit
+    def _add_rows(acc, x_ptr, w, offs_k, mask_k, row0, M, stride_xm, scale, BLOCK_M: tl.constexpr):
+        """acc [BLOCK_M, C] += scale * sum_k x[row, k] w[k, c] for each row of the program;
+        w: [R, C] floats, offs_k [R] the input row of each of w's rows."""
+        rows = tl.arange(0, BLOCK_M)
+        for r in tl.static_range(BLOCK_M):
+            # rows past M read row M - 1: never stored, and no row mask per load
+            row = tl.minimum(row0 + r, M - 1)
+            x = tl.load(x_ptr + row * stride_xm + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            part = tl.sum(x[:, None] * w, axis=0) * scale
+            acc += tl.where(rows[:, None] == r, part[None, :], 0.0)
+        return acc
+
+    @triton.jit
+    def _gemv_awq_cols(
+        acc, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k, mask_k, row0, M,
+        stride_xm, stride_s, zero_offset, J: tl.constexpr,
+        HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):  # fmt: skip
+        """acc [BLOCK_M, P] += the AWQ tile's sums for output column 8 p + J of each pack p."""
+        NIBBLE: tl.constexpr = (J % 2) * 4 + J // 2
+        SHIFT: tl.constexpr = 4 * NIBBLE - 12 * (NIBBLE > 4)  # see _nibble
+        q = _nibble(packed, hi, NIBBLE)  # [BLOCK_K, P]: 2^23 + q * 2^SHIFT
+        cols = offs_p * 8 + J
+        if HAS_ZEROS:  # 2^23 + zero * 2^SHIFT: [P] or [BLOCK_K, P]
+            bias = _magic((((zp >> (4 * NIBBLE)) & 0xF) + zero_offset) << SHIFT)
+        else:
+            bias = 8388608.0 + 8.0 * (1 << SHIFT)
+        if HAS_G_IDX:
+            # rows of a tile may sit in any group: a scale per weight
+            mask = mask_k[:, None] & mask_p[None, :]
+            scale = tl.load(s_ptr + gk[:, None] * stride_s + cols[None, :], mask=mask, other=0.0)
+            w = (q - bias) * (scale.to(tl.float32) * (1.0 / (1 << SHIFT)))
+            acc = _add_rows(acc, x_ptr, w, offs_k, mask_k, row0, M, stride_xm, 1.0, BLOCK_M)
+        else:
+            scale = tl.load(s_ptr + g * stride_s + cols, mask=mask_p, other=0.0).to(tl.float32)
+            scale = scale * (1.0 / (1 << SHIFT))
+            if HAS_ZEROS:
+                w = q - bias[None, :]
+            else:
+                w = q - bias
+            acc = _add_rows(acc, x_ptr, w, offs_k, mask_k, row0, M, stride_xm, scale, BLOCK_M)
+        return acc
+
+    @triton.jit
+    def _store_awq_cols(ptr, acc, rows, mask_m, offs_p, mask_p, stride, J: tl.constexpr):
+        """acc [BLOCK_M, P] -> output columns 8 p + J."""
+        cols = offs_p * 8 + J
+        tl.store(ptr + rows[:, None] * stride + cols[None, :], acc.to(ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_p[None, :])  # fmt: skip
+
+    @triton.jit
+    def _gemv_awq(
+        x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, dest, M, N, k_start, k_end, group_size, zero_offset,
+        stride_xm, stride_qw, stride_s, stride_z, stride_d, pid_n, row0,
+        HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """dest [rows, this block's columns] = the AWQ weight's sums over K rows [k_start, k_end):
+        eight accumulators, one per column of a pack, so no tile is ever reshaped."""
+        offs_p = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+        mask_p = offs_p < N // 8
+        a0 = tl.zeros((BLOCK_M, BLOCK_N // 8), dtype=tl.float32)
+        a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
+        for k0 in range(k_start, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < k_end
+            mask = mask_k[:, None] & mask_p[None, :]
+            # packed: [BLOCK_K, P] int32, each row's P int32s contiguous
+            packed = tl.load(qw_ptr + offs_k[:, None] * stride_qw + offs_p[None, :], mask=mask,
+                             other=0)  # fmt: skip
+            hi = packed >> 12
+            g = k0 // group_size
+            gk = offs_k
+            zp = 0
+            if HAS_G_IDX:
+                gk = tl.load(g_ptr + offs_k, mask=mask_k, other=0)
+                if HAS_ZEROS:
+                    zp = tl.load(z_ptr + gk[:, None] * stride_z + offs_p[None, :], mask=mask,
+                                 other=0)  # fmt: skip
+            elif HAS_ZEROS:
+                zp = tl.load(z_ptr + g * stride_z + offs_p, mask=mask_p, other=0)
+            a0 = _gemv_awq_cols(a0, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
+                                mask_k, row0, M, stride_xm, stride_s, zero_offset, 0,
+                                HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
+            a1 = _gemv_awq_cols(a1, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
+                                mask_k, row0, M, stride_xm, stride_s, zero_offset, 1,
+                                HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
+            a2 = _gemv_awq_cols(a2, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
+                                mask_k, row0, M, stride_xm, stride_s, zero_offset, 2,
+                                HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
+            a3 = _gemv_awq_cols(a3, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
+                                mask_k, row0, M, stride_xm, stride_s, zero_offset, 3,
+                                HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
+            a4 = _gemv_awq_cols(a4, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
+                                mask_k, row0, M, stride_xm, stride_s, zero_offset, 4,
+                                HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
+            a5 = _gemv_awq_cols(a5, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
+                                mask_k, row0, M, stride_xm, stride_s, zero_offset, 5,
+                                HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
+            a6 = _gemv_awq_cols(a6, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
+                                mask_k, row0, M, stride_xm, stride_s, zero_offset, 6,
+                                HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
+            a7 = _gemv_awq_cols(a7, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
+                                mask_k, row0, M, stride_xm, stride_s, zero_offset, 7,
+                                HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
+        rows = row0 + tl.arange(0, BLOCK_M)
+        mask_m = rows < M
+        _store_awq_cols(dest, a0, rows, mask_m, offs_p, mask_p, stride_d, 0)
+        _store_awq_cols(dest, a1, rows, mask_m, offs_p, mask_p, stride_d, 1)
+        _store_awq_cols(dest, a2, rows, mask_m, offs_p, mask_p, stride_d, 2)
+        _store_awq_cols(dest, a3, rows, mask_m, offs_p, mask_p, stride_d, 3)
+        _store_awq_cols(dest, a4, rows, mask_m, offs_p, mask_p, stride_d, 4)
+        _store_awq_cols(dest, a5, rows, mask_m, offs_p, mask_p, stride_d, 5)
+        _store_awq_cols(dest, a6, rows, mask_m, offs_p, mask_p, stride_d, 6)
+        _store_awq_cols(dest, a7, rows, mask_m, offs_p, mask_p, stride_d, 7)
+
+    @triton.jit
+    def _gptq_row(
+        packed, hi, zq, scale, x_ptr, s_ptr, z_ptr, g_ptr, row, offs_pk, mask_pk, offs_n, mask,
+        stride_xm, stride_s, stride_z, zero_offset,
+        HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
+    ):  # fmt: skip
+        """[BLOCK_N] sums of one row of x over a GPTQ tile: nibble i of packed row pk is input
+        row 8 pk + i, so the eight nibbles add up in each thread before one reduction."""
+        t = tl.zeros(packed.shape, dtype=tl.float32)
+        for i in tl.static_range(8):
+            SHIFT = 4 * i - 12 * (i > 4)  # see _nibble
+            q = _nibble(packed, hi, i)  # [BLOCK_K / 8, BLOCK_N]: 2^23 + q * 2^SHIFT
+            x = tl.load(x_ptr + row * stride_xm + offs_pk * 8 + i, mask=mask_pk, other=0.0)
+            x = x.to(tl.float32) * (1.0 / (1 << SHIFT))
+            if HAS_G_IDX:
+                # rows of a tile may sit in any group: a scale and zero per weight
+                gk = tl.load(g_ptr + offs_pk * 8 + i, mask=mask_pk, other=0)
+                s = tl.load(s_ptr + gk[:, None] * stride_s + offs_n[None, :], mask=mask, other=0.0)
+                z = 8
+                if HAS_ZEROS:
+                    zp = tl.load(z_ptr + gk[:, None] * stride_z + (offs_n // 8)[None, :],
+                                 mask=mask, other=0)  # fmt: skip
+                    z = ((zp >> (offs_n % 8)[None, :] * 4) & 0xF) + zero_offset
+                w = (q - _magic(z << SHIFT)) * s.to(tl.float32)
+            else:
+                w = q - _magic(zq << SHIFT)[None, :]
+            t += x[:, None] * w
+        return tl.sum(t, axis=0)
+
+    @triton.jit
+    def _gemv_gptq(
+        x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, dest, M, N, k_start, k_end, group_size, zero_offset,
+        stride_xm, stride_qw, stride_s, stride_z, stride_d, pid_n, row0,
+        HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """dest [rows, this block's columns] = the GPTQ weight's sums over K rows [k_start,
+        k_end)."""
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        rows = tl.arange(0, BLOCK_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            offs_pk = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            mask_pk = offs_pk < k_end // 8
+            mask = mask_pk[:, None] & mask_n[None, :]
+            # packed: [BLOCK_K / 8, BLOCK_N] int32, each row's BLOCK_N int32s contiguous
+            packed = tl.load(qw_ptr + offs_pk[:, None] * stride_qw + offs_n[None, :], mask=mask,
+                             other=0)  # fmt: skip
+            hi = packed >> 12
+            g = k0 // group_size
+            scale = 1.0
+            zq = tl.full((BLOCK_N,), 8, tl.int32)  # the column's zero (symmetric: 8)
+            if not HAS_G_IDX:
+                scale = tl.load(s_ptr + g * stride_s + offs_n, mask=mask_n, other=0.0)
+                scale = scale.to(tl.float32)
+                if HAS_ZEROS:
+                    zp = tl.load(z_ptr + g * stride_z + offs_n // 8, mask=mask_n, other=0)
+                    zq = ((zp >> (offs_n % 8) * 4) & 0xF) + zero_offset
+            tile = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for r in tl.static_range(BLOCK_M):
+                # rows past M read row M - 1: never stored, and no row mask per load
+                row = tl.minimum(row0 + r, M - 1)
+                part = _gptq_row(packed, hi, zq, scale, x_ptr, s_ptr, z_ptr, g_ptr, row, offs_pk,
+                                 mask_pk, offs_n, mask, stride_xm, stride_s, stride_z,
+                                 zero_offset, HAS_ZEROS, HAS_G_IDX)  # fmt: skip
+                tile += tl.where(rows[:, None] == r, part[None, :], 0.0)
+            acc += tile * scale
+        rows = row0 + rows
+        mask = (rows < M)[:, None] & mask_n[None, :]
+        tl.store(dest + rows[:, None] * stride_d + offs_n[None, :], acc.to(dest.dtype.element_ty),
+                 mask=mask)  # fmt: skip
+
+    @triton.jit
+    def _sum_if_last(
+        part_ptr, out_ptr, count_ptr, M, N, stride_om, pid_n, pid_m,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    ):  # fmt: skip
+        """Called after a split stored its fp32 partial [M, N] at part_ptr + split * M * N: the
+        program that finishes its column block's splits last adds them in split order
+        (deterministic) and writes out. One thread counts after a barrier (every thread's
+        stores come first); the count is acquire-release at GPU scope, and the last program
+        resets it for the next launch."""
+        tl.debug_barrier()
+        counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
+        done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if done == SPLITS - 1:
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = (rows < M)[:, None] & (cols < N)[None, :]
+            offs = rows[:, None] * N + cols[None, :]
+            # .cg: read from L2, where the other programs' partials are
+            total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLITS):
+                total += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0,
+                                 cache_modifier=".cg")  # fmt: skip
+            tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :],
+                     total.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+    @triton.jit
+    def _w4a16_gemv_kernel(
+        x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, part_ptr, count_ptr,
+        M, N, K, k_per_split, group_size, zero_offset,
+        stride_xm, stride_qw, stride_s, stride_z, stride_om,
+        AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLITS: tl.constexpr, FUSED_SUM: tl.constexpr,
+    ):  # fmt: skip
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        split = tl.program_id(2)
+        k_start = split * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        if SPLITS == 1:
+            dest = out_ptr
+            stride_d = stride_om
+        else:  # fp32 partials [SPLITS, M, N]
+            dest = part_ptr + split * M * N
+            stride_d = N
+        row0 = pid_m * BLOCK_M
+        if AWQ:
+            _gemv_awq(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, dest, M, N, k_start, k_end, group_size,
+                      zero_offset, stride_xm, stride_qw, stride_s, stride_z, stride_d, pid_n, row0,
+                      HAS_ZEROS, HAS_G_IDX, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        else:
+            _gemv_gptq(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, dest, M, N, k_start, k_end, group_size,
+                       zero_offset, stride_xm, stride_qw, stride_s, stride_z, stride_d, pid_n,
+                       row0, HAS_ZEROS, HAS_G_IDX, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        if SPLITS > 1 and FUSED_SUM:
+            _sum_if_last(part_ptr, out_ptr, count_ptr, M, N, stride_om, pid_n, pid_m, BLOCK_M,
+                         BLOCK_N, SPLITS)  # fmt: skip
+
 
 def sum_splits(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[splits, M, N] fp32 partials (contiguous) -> [M, N] of dtype, summed in split order."""
@@ -297,10 +589,27 @@ def _check(x: torch.Tensor, w: Int4Weight, config: W4A16Config) -> None:
         assert w.g_idx.dtype == torch.int32 and tuple(w.g_idx.shape) == (k,)
     assert config.block_k % PACK == 0 and config.block_k >= 16 and config.split_k >= 1
     assert config.block_n % PACK == 0 and config.block_n >= 16, config.block_n
+    if config.gemv:  # aranges of block_m rows, block_n / 8 packs and block_k / 8 packed rows
+        for size in (config.block_m, config.block_n // PACK, config.block_k // PACK):
+            assert size & (size - 1) == 0, config
+
+
+MAX_COUNTERS = 1 << 16  # column blocks x row tiles of one fused-sum GEMV launch
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device) -> torch.Tensor:
+    """The device's int32 counters of finished splits, zero between launches (each launch's
+    last program resets its own). Allocated once and never replaced, so CUDA graphs that
+    captured them stay valid; launches on one device must not overlap in time."""
+    if device not in _counters:
+        _counters[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
+    return _counters[device]
 
 
 def w4a16_gemm(x: torch.Tensor, w: Int4Weight, config: W4A16Config | None = None) -> torch.Tensor:
-    """x [M, K] (16-bit; fp32 too, as the interpreter runs) @ w -> [M, N] in x's dtype."""
+    """x [M, K] (16-bit; fp32 too, as the interpreter runs) @ w -> [M, N] in x's dtype; the
+    GEMV kernel where the config says so (by default up to M_GEMV rows), else tensor cores."""
     m = x.shape[0]
     k, n = w.in_features, w.out_features
     if config is None:
@@ -308,15 +617,17 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, config: W4A16Config | None = None
     _check(x, w, config)
     k_per_split = -(-k // (config.split_k * config.block_k)) * config.block_k
     splits = -(-k // k_per_split)
+    if m == 0:
+        return torch.empty(0, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), splits)
+    if config.gemv:
+        return _gemv(x, w, config, grid, k_per_split)
     if splits == 1:
         out = torch.empty(1, m, n, dtype=x.dtype, device=x.device)
     else:
         out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    if m == 0:
-        return out[0]
     zeros = w.qzeros if w.qzeros is not None else w.qweight  # unread without zeros
     g_idx = w.g_idx if w.g_idx is not None else w.qweight  # unread without g_idx
-    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), splits)
     _w4a16_kernel[grid](
         x, w.qweight, w.scales, zeros, g_idx, out,
         m, n, k, k_per_split, w.group_size, w.zero_offset,
@@ -328,3 +639,29 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, config: W4A16Config | None = None
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out[0] if splits == 1 else sum_splits(out, x.dtype)
+
+
+def _gemv(x: torch.Tensor, w: Int4Weight, config: W4A16Config, grid: tuple[int, int, int],
+          k_per_split: int) -> torch.Tensor:  # fmt: skip
+    """The GEMV kernel's launch: one pass, or fp32 partials summed by the last split (fused)
+    or by sum_splits."""
+    m, n, splits = x.shape[0], w.out_features, grid[2]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    fused = splits > 1 and config.fused_sum
+    counters = split_counters(x.device) if fused else part  # unread without a fused sum
+    assert not fused or grid[0] * grid[1] <= counters.numel(), grid
+    zeros = w.qzeros if w.qzeros is not None else w.qweight  # unread without zeros
+    g_idx = w.g_idx if w.g_idx is not None else w.qweight  # unread without g_idx
+    _w4a16_gemv_kernel[grid](
+        x, w.qweight, w.scales, zeros, g_idx, out, part, counters,
+        m, n, w.in_features, k_per_split, w.group_size, w.zero_offset,
+        x.stride(0), w.qweight.stride(0), w.scales.stride(0), zeros.stride(0), out.stride(0),
+        AWQ=w.layout == "awq", HAS_ZEROS=w.qzeros is not None, HAS_G_IDX=w.g_idx is not None,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        SPLITS=splits, FUSED_SUM=config.fused_sum,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    if splits > 1 and not config.fused_sum:
+        return sum_splits(part, x.dtype)
+    return out

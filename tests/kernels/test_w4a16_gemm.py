@@ -1,6 +1,7 @@
-"""w4a16_gemm (Triton) against w4a16_gemm_ref over AWQ and GPTQ packings (symmetric or not,
-desc_act, one group), row counts, K splits and ragged tiles; dequantize_int4 against the
-weights the test's own packers wrote."""
+"""w4a16_gemm (Triton; the tensor-core and the GEMV kernel) against w4a16_gemm_ref over AWQ
+and GPTQ packings (symmetric or not, desc_act, one group), row counts, K splits (fused or by
+sum_splits) and ragged tiles; dequantize_int4 against the weights the test's own packers
+wrote."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from kernel_inputs import DEVICE
 from quant_formats import quantize_awq, quantize_gptq
 
 from nanopaged.kernels.w4a16_gemm import (
+    M_GEMV,
     Int4Weight,
     W4A16Config,
     default_config,
@@ -118,6 +120,70 @@ def test_sum_splits_in_order():
         assert out.dtype == dtype and torch.equal(out, ref)
 
 
+GEMV_KINDS = KINDS + ["gptq-desc_act-sym"]
+
+
+def make_gemv_weight(kind: str, n: int, k: int, group: int, seed: int) -> Int4Weight:
+    if kind == "gptq-desc_act-sym":  # desc_act without zeros: g_idx with the constant 8
+        w, _ = make_weight("gptq-desc_act", n, k, group, seed)
+        return to_device(Int4Weight("gptq", w.qweight, w.scales, None, group, w.g_idx, 0))
+    return to_device(make_weight(kind, n, k, group, seed)[0])
+
+
+@pytest.mark.parametrize("kind", GEMV_KINDS)
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize(
+    "m, config",
+    [
+        (1, W4A16Config(1, 64, 32, gemv=True)),  # one pass over K, no split
+        (2, W4A16Config(2, 16, 16, split_k=3, gemv=True)),  # fused sum, a short last split
+        (3, W4A16Config(4, 32, 32, split_k=2, fused_sum=False, gemv=True)),  # sum_splits
+        (8, W4A16Config(8, 128, 64, split_k=2, gemv=True)),  # a tile wider than the weight
+    ],
+    ids=str,
+)
+def test_gemv_matches_reference(kind, group, m, config):
+    """The GEMV kernel over layouts, zeros, desc_act, v1 zeros, groups, rows and K splits (n =
+    88: eleven packs, ragged tiles; K = 384: three groups of 128, twelve of 32)."""
+    if config.block_k > group:
+        config = W4A16Config(config.block_m, config.block_n, group, config.split_k, gemv=True,
+                             fused_sum=config.fused_sum)  # fmt: skip
+    w = make_gemv_weight(kind, 88, 384, group, seed=group + m)
+    x = torch.randn(m, 384, generator=torch.Generator().manual_seed(m)).to(DEVICE, torch.float16)
+    assert_close(w4a16_gemm(x, w, config), w4a16_gemm_ref(x, w))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["awq", "gptq-asym"])
+def test_gemv_dtypes(kind, dtype):
+    """fp32 (exact to 1e-5: the in-register nibbles and scale powers of two are exact), fp16,
+    and bf16 where the device runs it."""
+    w = make_gemv_weight(kind, 40, 192, 64, seed=3)
+    x = torch.randn(3, 192, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    out = w4a16_gemm(x, w, W4A16Config(4, 16, 32, split_k=2, gemv=True))
+    assert_close(out, w4a16_gemm_ref(x, w))
+
+
+def test_gemv_fused_sum_resets_its_counters():
+    """The last split of each column block resets its counter: the next launch sums right."""
+    from nanopaged.kernels.w4a16_gemm import split_counters
+
+    w = make_gemv_weight("awq", 64, 256, 64, seed=5)
+    config = W4A16Config(2, 16, 32, split_k=4, gemv=True)
+    for seed in (0, 1):
+        x = torch.randn(2, 256, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+        assert_close(w4a16_gemm(x, w, config), w4a16_gemm_ref(x, w))
+        assert int(split_counters(x.device).abs().sum()) == 0
+
+
+def test_default_config_gemv_up_to_m_gemv():
+    """Decode rows up to M_GEMV get the GEMV kernel, with one row tile for all rows."""
+    for m in range(1, 17):
+        config = default_config(m, 4096, 4096, 128, num_sms=132)
+        assert config.gemv == (m <= M_GEMV)
+        assert not config.gemv or config.block_m >= m
+
+
 def test_default_config_splits_k_for_few_rows():
     """Decode rows split K until about three waves of programs; many rows never split."""
     one = default_config(1, 4096, 4096, 128, num_sms=132)
@@ -147,7 +213,7 @@ def test_strided_rows():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["awq", "gptq-sym", "gptq-desc_act"])
-@pytest.mark.parametrize("m", [1, 16, 256])
+@pytest.mark.parametrize("m", [1, 4, 8, 16, 256])
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 12288)])
 def test_kernel_gpu_shapes(kind, m, n, k):
     w, _ = make_weight(kind, n, k, 128)
