@@ -19,6 +19,15 @@ fastest round counts. Reported: output tokens per second, the ratio to no specul
 same B, the acceptance rate and mean accepted length.
 Speculation switches off above disable_by_batch_size; here it is set off (None) so that each
 batch size shows what speculating costs or gains there.
+
+python benchmarks/spec_bench.py --verify-cost --model-shape qwen3-8b [--batch 1 8]
+
+What one verifying step costs against a decode step, on dummy weights of a bench.py shape
+(acceptance means nothing there): 300-token random prompts, 128 greedy tokens, first without
+speculation, then with a proposer that gives every row k = 4 drafts each step (its last
+token repeated: nearly always rejected, so each step emits one token and its time is one
+verifying step's). The speed-up at a mean accepted length L (tokens per verifying step) is
+then L x (decode step / verifying step).
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # nanopaged, bench
 
 CODE = [
     '''def moving_average(values, window):
@@ -162,6 +171,58 @@ def run_config(model: str, spec: dict | None, batches: list[int], max_tokens: in
     return rows
 
 
+class _RepeatLast:
+    """A proposer of k drafts for every row: its last token, k times (--verify-cost)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def propose(self, seqs_tokens: list[list[int]], seq_ids: list[int]) -> list[list[int]]:
+        return [[tokens[-1]] * self.k for tokens in seqs_tokens]
+
+    def free(self, seq_id: int) -> None:
+        pass
+
+    def free_all(self) -> None:
+        pass
+
+
+def verify_cost(model_dir: str, batches: list[int], load_format: str) -> dict:
+    """ms per decode step and per verifying step of k = 4 drafts, per batch size."""
+    import random
+
+    from nanopaged import LLM, SamplingParams
+
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    rows = {}
+    for name, spec in (("decode", None), ("verify k=4", NGRAM)):
+        spec = None if spec is None else {**spec, "disable_by_batch_size": None}
+        llm = LLM(model_dir, load_format=load_format, max_model_len=2048,
+                  speculative_config=spec)  # fmt: skip
+        if spec is not None:
+            llm.scheduler.proposer = _RepeatLast(spec["num_speculative_tokens"])
+        for batch in batches:
+            prompts = lambda batch=batch: [[rng.randrange(1000, 30000) for _ in range(300)]  # noqa: E731
+                               for _ in range(batch)]  # fmt: skip
+            llm.generate(prompts(), params, use_tqdm=False)  # warm-up
+            steps0 = llm.scheduler.num_steps
+            _sync()
+            t = time.perf_counter()
+            llm.generate(prompts(), params, use_tqdm=False)
+            _sync()
+            ms = (time.perf_counter() - t) * 1e3 / (llm.scheduler.num_steps - steps0)
+            rows.setdefault(batch, {})[name] = ms
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    for batch, r in rows.items():
+        r["ratio"] = r["verify k=4"] / r["decode"]
+        print(f"batch {batch:3d}: decode step {r['decode']:.3f} ms, verifying step (k = 4) "
+              f"{r['verify k=4']:.3f} ms = {r['ratio']:.2f}x", flush=True)  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
@@ -174,7 +235,19 @@ def main(argv: list[str] | None = None) -> dict:
                         help="bytes of KV cache (a draft_model run on a GPU needs it)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--verify-cost", action="store_true",
+                        help="verifying vs decode step time, dummy weights of --model-shape")
+    parser.add_argument("--model-shape", default="qwen3-8b", help="--verify-cost: a bench.SHAPES")
     args = parser.parse_args(argv)
+    if args.verify_cost:
+        import bench
+
+        model_dir = str(bench.config_only(args.model_shape))
+        result = {"device": torch.cuda.get_device_name(), "model_shape": args.model_shape,
+                  "rows": verify_cost(model_dir, args.batch, "dummy")}  # fmt: skip
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2))
+        return result
     from nanopaged.gguf import embedded_gguf
 
     model = args.model or str(embedded_gguf())

@@ -85,12 +85,21 @@ class Sampler:
         """Settings of a step with drafts sampled in the decode graph: a row per verified
         position, row i's settings at output positions offset_i + j for j = 0 .. d_i (the
         plain sampler's draw there is what verification keeps, DraftStepHandle.of_draws)."""
-        self._cache = None  # the slots stop holding the last step's rows
         counts = [len(d) + 1 for d in drafts]
-        per = [s for s, c in zip(seqs, counts) for _ in range(c)]
         offsets = [s.num_output_tokens + j for s, c in zip(seqs, counts) for j in range(c)]
-        return sampling_tensors([s.sampling_params for s in per], [row_stream(s) for s in per],
-                                offsets, self.device, into, [s.row for s in per])  # fmt: skip
+        # Kept as settings() keeps its own (the keys differ: either step rewrites the slots).
+        key = (tuple(s.seq_id for s in seqs), tuple(counts))
+        if self._cache is not None and self._cache[0] == key:
+            _, st, last = self._cache
+            if not st.all_greedy and offsets != last:
+                host = pinned(torch.tensor(offsets, dtype=torch.int64))
+                st.offsets.copy_(host, non_blocking=True)
+        else:
+            per = [s for s, c in zip(seqs, counts) for _ in range(c)]
+            st = sampling_tensors([s.sampling_params for s in per], [row_stream(s) for s in per],
+                                  offsets, self.device, into, [s.row for s in per])  # fmt: skip
+        self._cache = (key, st, offsets)
+        return st
 
     def sample(
         self,
