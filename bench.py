@@ -519,7 +519,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="--sampling: runs of each setting, in turn; the fastest counts")
     parser.add_argument("--latency", action="store_true", help="decode step time at batch 1, 8")
     parser.add_argument("--speculative-config", type=json.loads, default=None,
-                        help="--latency, --sampling: speculative decoding, vLLM's dict as JSON, "
+                        help="speculative decoding (throughput, --latency, --sampling), vLLM's "
+                             "dict as JSON, "
                              "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'; "
                              "prints acceptance rate and mean accepted length")  # fmt: skip
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -675,6 +676,7 @@ def run_throughput(
         tensor_parallel_size=args.tensor_parallel_size,
         load_format=args.load_format,
         kv_cache_dtype=kv_cache_dtype,
+        speculative_config=args.speculative_config,
     )
     load_s = time.perf_counter() - t
     warm_up(llm, prompts)
@@ -712,6 +714,7 @@ def run_throughput(
         "load_format": args.load_format,
         "kv_cache_dtype": kv_cache_dtype,
         "quantization": quantization,
+        "speculative_config": args.speculative_config,
         "weight_bytes": weight_bytes(llm.runner.model),
         "kernel_variants_in_timed_run": variants,
     }

@@ -20,14 +20,17 @@ same B, the acceptance rate and mean accepted length.
 Speculation switches off above disable_by_batch_size; here it is set off (None) so that each
 batch size shows what speculating costs or gains there.
 
-python benchmarks/spec_bench.py --verify-cost --model-shape qwen3-8b [--batch 1 8]
+python benchmarks/spec_bench.py --verify-cost --model-shape qwen3-8b [--draft-shape qwen3-0.6b]
+                                [--batch 1 8]
 
 What one verifying step costs against a decode step, on dummy weights of a bench.py shape
 (acceptance means nothing there): 300-token random prompts, 128 greedy tokens, first without
 speculation, then with a proposer that gives every row k = 4 drafts each step (its last
 token repeated: nearly always rejected, so each step emits one token and its time is one
 verifying step's). The speed-up at a mean accepted length L (tokens per verifying step) is
-then L x (decode step / verifying step).
+then L x (decode step / verifying step). With --draft-shape, a draft model of that shape
+proposes instead (dummy weights both: its drafts are rejected too), so a step's time is the
+draft's k passes plus the verification.
 """
 
 from __future__ import annotations
@@ -187,8 +190,10 @@ class _RepeatLast:
         pass
 
 
-def verify_cost(model_dir: str, batches: list[int], load_format: str) -> dict:
-    """ms per decode step and per verifying step of k = 4 drafts, per batch size."""
+def verify_cost(model_dir: str, batches: list[int], load_format: str,
+                draft_dir: str | None = None) -> dict:  # fmt: skip
+    """ms per decode step and per verifying step of k = 4 drafts, per batch size; with a
+    draft, also per step of the draft model proposing (its k passes) and the verification."""
     import random
 
     from nanopaged import LLM, SamplingParams
@@ -196,11 +201,18 @@ def verify_cost(model_dir: str, batches: list[int], load_format: str) -> dict:
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     rows = {}
-    for name, spec in (("decode", None), ("verify k=4", NGRAM)):
+    configs = [("decode", None), ("verify k=4", NGRAM)]
+    if draft_dir is not None:
+        configs.append(("draft_model k=4", {"method": "draft_model", "model": draft_dir,
+                                            "num_speculative_tokens": 4}))  # fmt: skip
+    for name, spec in configs:
         spec = None if spec is None else {**spec, "disable_by_batch_size": None}
+        # A draft model's cache needs a budget on a GPU: 8 GiB for both (256 KV blocks and
+        # more at these shapes).
         llm = LLM(model_dir, load_format=load_format, max_model_len=2048,
-                  speculative_config=spec)  # fmt: skip
-        if spec is not None:
+                  speculative_config=spec,
+                  kv_cache_memory=8 << 30 if name.startswith("draft") else None)  # fmt: skip
+        if name == "verify k=4":
             llm.scheduler.proposer = _RepeatLast(spec["num_speculative_tokens"])
         for batch in batches:
             prompts = lambda batch=batch: [[rng.randrange(1000, 30000) for _ in range(300)]  # noqa: E731
@@ -217,9 +229,9 @@ def verify_cost(model_dir: str, batches: list[int], load_format: str) -> dict:
         gc.collect()
         torch.cuda.empty_cache()
     for batch, r in rows.items():
-        r["ratio"] = r["verify k=4"] / r["decode"]
-        print(f"batch {batch:3d}: decode step {r['decode']:.3f} ms, verifying step (k = 4) "
-              f"{r['verify k=4']:.3f} ms = {r['ratio']:.2f}x", flush=True)  # fmt: skip
+        for name, _ in configs[1:]:
+            print(f"batch {batch:3d}: decode step {r['decode']:.3f} ms, {name} step "
+                  f"{r[name]:.3f} ms = {r[name] / r['decode']:.2f}x", flush=True)  # fmt: skip
     return rows
 
 
@@ -238,13 +250,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--verify-cost", action="store_true",
                         help="verifying vs decode step time, dummy weights of --model-shape")
     parser.add_argument("--model-shape", default="qwen3-8b", help="--verify-cost: a bench.SHAPES")
+    parser.add_argument("--draft-shape", default=None,
+                        help="--verify-cost: also a draft model of this shape (dummy weights)")
     args = parser.parse_args(argv)
     if args.verify_cost:
         import bench
 
         model_dir = str(bench.config_only(args.model_shape))
+        draft = args.draft_shape and str(bench.config_only(args.draft_shape))
         result = {"device": torch.cuda.get_device_name(), "model_shape": args.model_shape,
-                  "rows": verify_cost(model_dir, args.batch, "dummy")}  # fmt: skip
+                  "draft_shape": args.draft_shape,
+                  "rows": verify_cost(model_dir, args.batch, "dummy", draft)}  # fmt: skip
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2))
         return result
