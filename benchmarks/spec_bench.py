@@ -15,8 +15,11 @@ each group a `chat` of B conversations), without speculation and with each confi
 n-gram (k = 4, lookup 2..4), and a draft model with --draft. Each LLM is built, runs all 8
 conversations once at each B untimed (every kernel variant compiled), then is timed on
 --groups groups. The configurations take turns for --rounds rounds, each on a fresh LLM; the
-fastest round counts. Reported: output tokens per second, the ratio to no speculation at the
-same B, the acceptance rate and mean accepted length.
+fastest round counts. Each timed group also runs once for 1 token (prefix caching off, so it
+prefills again): decode tokens/s counts the tokens after the first over the time the full run
+takes beyond that one (as `bench.py --latency` times a step). Reported: output tokens/s and
+decode tokens/s, each with its ratio to no speculation at the same B, the acceptance rate and
+the mean accepted length.
 Speculation switches off above disable_by_batch_size; here it is set off (None) so that each
 batch size shows what speculating costs or gains there.
 
@@ -140,6 +143,14 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _timed_chat(llm, convs, params) -> tuple[float, list]:
+    _sync()
+    t = time.perf_counter()
+    outs = llm.chat(convs, params, use_tqdm=False)
+    _sync()
+    return time.perf_counter() - t, outs
+
+
 def run_config(model: str, spec: dict | None, batches: list[int], max_tokens: int,
                groups: int, llm_kwargs: dict) -> list[dict]:  # fmt: skip
     """One LLM with this speculative_config: per batch size, tok/s over `groups` timed groups."""
@@ -148,6 +159,7 @@ def run_config(model: str, spec: dict | None, batches: list[int], max_tokens: in
     spec = None if spec is None else {**spec, "disable_by_batch_size": None}
     llm = LLM(model, speculative_config=spec, **llm_kwargs)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    first = SamplingParams(temperature=0, max_tokens=1)
     convs = edit_workload()
     rows = []
     for batch in batches:
@@ -155,15 +167,18 @@ def run_config(model: str, spec: dict | None, batches: list[int], max_tokens: in
         for g in range(0, len(convs), batch):  # warm-up: every conversation at this B
             llm.chat([convs[(g + i) % len(convs)] for i in range(batch)], params, use_tqdm=False)
         stats0 = llm.spec_stats() if spec else None
-        tokens, seconds = 0, 0.0
+        tokens = decode_tokens = 0
+        seconds = first_seconds = 0.0
         for g in range(groups):
-            _sync()
-            t = time.perf_counter()
-            outs = llm.chat(pool[g * batch : (g + 1) * batch], params, use_tqdm=False)
-            _sync()
-            seconds += time.perf_counter() - t
+            group = pool[g * batch : (g + 1) * batch]
+            first_seconds += _timed_chat(llm, group, first)[0]
+            t, outs = _timed_chat(llm, group, params)
+            seconds += t
             tokens += sum(len(o.outputs[0].token_ids) for o in outs)
-        row = dict(batch=batch, tokens=tokens, seconds=seconds, tok_per_s=tokens / seconds)
+            decode_tokens += sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+        decode_seconds = seconds - first_seconds
+        row = dict(batch=batch, tokens=tokens, seconds=seconds, tok_per_s=tokens / seconds,
+                   decode_tok_per_s=decode_tokens / decode_seconds)  # fmt: skip
         if spec:
             row["speculation"] = llm.spec_stats().since(stats0).as_dict()
         rows.append(row)
@@ -267,7 +282,9 @@ def main(argv: list[str] | None = None) -> dict:
     from nanopaged.gguf import embedded_gguf
 
     model = args.model or str(embedded_gguf())
-    llm_kwargs = dict(dtype=args.dtype, max_model_len=2048, kv_cache_memory=args.kv_cache_memory)
+    # No prefix caching: each group's prompts are prefilled in both of its timed runs.
+    llm_kwargs = dict(dtype=args.dtype, max_model_len=2048, kv_cache_memory=args.kv_cache_memory,
+                      enable_prefix_caching=False)  # fmt: skip
     configs: dict[str, dict | None] = {"none": None, "ngram k=4": NGRAM}
     if args.draft:
         configs["draft_model k=4"] = {"method": "draft_model", "model": args.draft,
@@ -281,16 +298,18 @@ def main(argv: list[str] | None = None) -> dict:
             for i, row in enumerate(rows):
                 if row["tok_per_s"] > best[i]["tok_per_s"]:
                     best[i] = row
-    base = {r["batch"]: r["tok_per_s"] for r in result["runs"]["none"]}
+    base = {r["batch"]: r for r in result["runs"]["none"]}
     print(f"{device}, {Path(model).name}, greedy, up to {args.max_tokens} tokens a request")
     for name, rows in result["runs"].items():
         for r in rows:
-            r["ratio"] = r["tok_per_s"] / base[r["batch"]]
+            r["ratio"] = r["tok_per_s"] / base[r["batch"]]["tok_per_s"]
+            r["decode_ratio"] = r["decode_tok_per_s"] / base[r["batch"]]["decode_tok_per_s"]
             s = r.get("speculation")
             extra = (f", acceptance {s['acceptance_rate']:.2f}, mean accepted length "
                      f"{s['mean_accepted_length']:.2f}" if s else "")  # fmt: skip
             print(f"{name:18s} batch {r['batch']:3d}: {r['tok_per_s']:9.1f} tok/s = "
-                  f"{r['ratio']:.2f}x{extra}", flush=True)  # fmt: skip
+                  f"{r['ratio']:.2f}x; decode {r['decode_tok_per_s']:9.1f} tok/s = "
+                  f"{r['decode_ratio']:.2f}x{extra}", flush=True)  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result
