@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanopaged.kernels import cpu_native
+
 # Rows up to this many use the packed weight; more rows use F.linear (measured crossover).
 PACKED_MAX_ROWS = 256
 # The batch size oneDNN tunes the packed layout for (decode-sized).
@@ -63,6 +65,27 @@ def linear(
     if packed is not None and x.dim() == 2 and _takes_packed(x.shape[0], weight):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def native_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """linear, except one fp32 row on a weight under the packed LM head's size runs the C GEMV
+    (cpu_native.linear_row, on the plain weight), which streams the weight at one row faster
+    than F.linear or the packed copy; for the op table of a model whose C kernels built."""
+    if (
+        x.dtype == weight.dtype == torch.float32
+        and x.dim() == 2
+        and x.shape[0] == 1
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+        and weight.nbytes < _F32_ONE_ROW_MIN_BYTES
+    ):
+        return cpu_native.linear_row(x, weight, bias)
+    return linear(x, weight, bias, packed)
 
 
 def pack_model(model: nn.Module) -> int:
