@@ -157,7 +157,7 @@ def _tensor(name: str, t: object, dtype: torch.dtype, ndim: int | None = None) -
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
         raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:  # (is_cpu: a flag read; t.device builds an object, on every call)
         raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
