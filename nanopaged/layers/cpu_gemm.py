@@ -4,9 +4,10 @@ torch's plain bf16 `F.linear` on CPU reorders the weight on every call; at decod
 that costs more than the multiply. Prepacked, a bf16 decode GEMM beats the fp32 one at batch 1
 and is about 4x faster at batch 16 (benchmarks/cpu_bench.py --gemm). fp32 weights are packed
 too: oneDNN's fp32 GEMM beat torch's `F.linear` (MKL) at 16 rows by 10-35% on SmolLM2's shapes
-(the LM head most) on an AVX2 EPYC, and lost at one row except on the LM head; its sums run in
-another order (within fp32 rounding of F.linear's). Large row counts (prefill) stay on
-`F.linear`, which is faster there.
+(the LM head most) on an AVX2 EPYC; at one row fp32 runs the C GEMV of kernels/cpu_native.c
+on the plain weight (native_linear), except on the LM head. Their sums run in another order
+(within fp32 rounding of F.linear's). Large row counts (prefill) stay on `F.linear`, which is
+faster there.
 """
 
 from __future__ import annotations
