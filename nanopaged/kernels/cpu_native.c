@@ -1,5 +1,6 @@
-/* nanopaged's CPU kernels for bfloat16 models, and decode attention for fp32 ones too: one pass
- * over each op's rows where torch runs several ops (and the allocations between them). Compiled at first use by cpu_native.py with
+/* nanopaged's CPU kernels: for bfloat16 models, and for fp32 ones decode attention, the norms,
+ * SiLU and the one-row GEMMs: one pass over each op's rows where torch runs several ops (and
+ * the allocations between them). Compiled at first use by cpu_native.py with
  * the machine's C compiler; every function has a torch reference in nanopaged/kernels (the
  * tests' oracle, and the path taken when no compiler is found).
  *
@@ -106,6 +107,98 @@ void np_rms_norm(const bf16 *x, int64_t sx, const bf16 *residual, int64_t sr,
         for (int64_t i = 0; i < hidden; i++)
             o[i] = round_bf16(f32(weight[i]) * f32(round_bf16(f32(xr[i]) * inv)));
     }
+}
+
+/* np_rms_norm on fp32 rows, rms_norm_ref's arithmetic: the sum (when residual) written to
+ * new_residual, the norm in fp32, then times weight; only the squares add in another order
+ * than torch's mean. */
+void np_rms_norm_f32(const float *x, int64_t sx, const float *residual, int64_t sr,
+                     const float *weight, float *out, int64_t so, float *new_residual,
+                     int64_t snr, int64_t rows, int64_t hidden, float eps) {
+    for (int64_t row = 0; row < rows; row++) {
+        const float *xr = x + row * sx;
+        float *o = out + row * so;
+        if (residual) {
+            const float *rr = residual + row * sr;
+            float *nr = new_residual + row * snr;
+#pragma omp simd
+            for (int64_t i = 0; i < hidden; i++) nr[i] = xr[i] + rr[i];
+            xr = nr;
+        }
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < hidden; i++) sum += xr[i] * xr[i];
+        float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+        /* two products and no sum: nothing for -ffp-contract to fuse */
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; i++) o[i] = weight[i] * (xr[i] * inv);
+    }
+}
+
+/* silu(gate) * up over rows of [gate | up] (d each, stride sx between rows) into out (stride
+ * so): silu as torch computes it in fp32, g / (1 + e^-g), then the product; e^x is exp_f32's
+ * (within ~2 ulp of torch's). */
+void np_silu_mul_f32(const float *x, int64_t sx, float *out, int64_t so, int64_t rows,
+                     int64_t d) {
+    for (int64_t row = 0; row < rows; row++) {
+        const float *g = x + row * sx, *u = g + d;
+        float *o = out + row * so;
+#pragma omp simd
+        for (int64_t i = 0; i < d; i++) o[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
+    }
+}
+
+/* fp32 x W^T (+ bias) for one row: out[j] = x . w[j] (+ bias[j]), w's n rows of k elements
+ * `sw` apart. At one row the GEMM is bound by reading w once: four rows at a time, each summed
+ * in 8 lanes then across them (four independent sums keep loads in flight). The order of the
+ * sums differs from a BLAS's (within fp32 rounding of the dot products). */
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v8f load_f32x8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float lanes_sum(v8f v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+void np_gemv_f32(const float *x, const float *w, int64_t sw, const float *bias, float *out,
+                 int64_t n, int64_t k) {
+    int64_t kv = k & ~(int64_t)7, j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const float *w0 = w + j * sw, *w1 = w0 + sw, *w2 = w1 + sw, *w3 = w2 + sw;
+        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int64_t i = 0; i < kv; i += 8) {
+            v8f xv = load_f32x8(x + i);
+            a0 += xv * load_f32x8(w0 + i);
+            a1 += xv * load_f32x8(w1 + i);
+            a2 += xv * load_f32x8(w2 + i);
+            a3 += xv * load_f32x8(w3 + i);
+        }
+        float s0 = lanes_sum(a0), s1 = lanes_sum(a1), s2 = lanes_sum(a2), s3 = lanes_sum(a3);
+        for (int64_t i = kv; i < k; i++) {
+            s0 += x[i] * w0[i];
+            s1 += x[i] * w1[i];
+            s2 += x[i] * w2[i];
+            s3 += x[i] * w3[i];
+        }
+        out[j] = s0;
+        out[j + 1] = s1;
+        out[j + 2] = s2;
+        out[j + 3] = s3;
+    }
+    for (; j < n; j++) {
+        const float *w0 = w + j * sw;
+        v8f a0 = {0};
+        for (int64_t i = 0; i < kv; i += 8) a0 += load_f32x8(x + i) * load_f32x8(w0 + i);
+        float s0 = lanes_sum(a0);
+        for (int64_t i = kv; i < k; i++) s0 += x[i] * w0[i];
+        out[j] = s0;
+    }
+    if (bias)
+        for (j = 0; j < n; j++) out[j] += bias[j];
 }
 
 /* Rotate-half RoPE, rotate_ref's roundings: out = bf16(bf16(x * cos) + bf16(roll(x) * sin))

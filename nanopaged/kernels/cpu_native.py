@@ -1,5 +1,5 @@
-"""CPU kernels in C (cpu_native.c), called through ctypes: for bfloat16 models, and decode
-attention (with rotary and the KV store) for fp32 models too.
+"""CPU kernels in C (cpu_native.c), called through ctypes: for bfloat16 models, and for fp32
+models decode attention (with rotary and the KV store), the norms, SiLU and one-row GEMMs.
 
 On a CPU, a decode step of a small model is mostly torch's per-op cost around the GEMMs: an
 RMSNorm is nine ops, attention a gather, a fill and an SDPA call, each paying dispatch and an
@@ -9,8 +9,9 @@ into nanopaged's cache directory (`$NANOPAGED_CACHE`, else `~/.cache/nanopaged`)
 hash of the source, the flags and the CPU; a process compiles at most once. Without a
 compiler, or with `NANOPAGED_CPU_KERNELS=0`, `load()` returns None and the CPU runs the torch
 references. Each function here has its reference beside its Triton kernel (the tests compare
-the two). fp32 models use the decode kernels only: rotary and the store bit for bit their
-references, attention within fp32 rounding of SDPA's (another order of the same sums).
+the two). In fp32 rotary and the store are bit for bit their references; attention, the norm's
+sum of squares and the GEMV add in another order (within fp32 rounding), and SiLU's exp is
+within ~2 ulp of torch's.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ _SIGNATURES = {
         _I, _I, _I, _I, _I, _F, _P, _I, _P,
     ],
 }
+_SIGNATURES["np_rms_norm_f32"] = _SIGNATURES["np_rms_norm"]
+_SIGNATURES["np_silu_mul_f32"] = [_P, _I, _P, _I, _I, _I]
+_SIGNATURES["np_gemv_f32"] = [_P, _P, _I, _P, _P, _I, _I]
 _SIGNATURES["np_paged_decode_f32"] = _SIGNATURES["np_paged_decode"]
 _SIGNATURES["np_rotary_decode_f32"] = _SIGNATURES["np_rotary_decode"]
 # Decode attention's dtypes, and the suffix of their entry points
@@ -153,7 +157,7 @@ def _tensor(name: str, t: object, dtype: torch.dtype, ndim: int | None = None) -
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
         raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:  # (is_cpu: a flag read; t.device builds an object, on every call)
         raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
@@ -196,37 +200,84 @@ def _caches(
 # of a decode step at small batches (the kernels themselves take a few µs there).
 
 
+_NORM_SUFFIX = {torch.bfloat16: "", torch.float32: "_f32"}
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """rms_norm_ref's result (see kernels/rms_norm.py): out, or (out, x + residual)."""
-    _tensor("x", x, torch.bfloat16)
+    """rms_norm_ref's result (see kernels/rms_norm.py) for bf16 or fp32 x, weight and residual
+    (one dtype): out, or (out, x + residual)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    dtype = x.dtype
+    if dtype not in _NORM_SUFFIX:
+        raise TypeError(f"x must be torch.bfloat16 or torch.float32, got {dtype}")
+    _tensor("x", x, dtype)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the hidden size), got a scalar")
-    _tensor("weight", weight, torch.bfloat16, 1)
+    _tensor("weight", weight, dtype, 1)
     _shape("weight", weight, (x.shape[-1],), "x's last dimension")
     _contiguous("weight", weight)
     eps = _number("eps", eps)
+    fn = getattr(_lib(), "np_rms_norm" + _NORM_SUFFIX[dtype])
     xr = _rows(x)
     rows, hidden = xr.shape
-    out = torch.empty((rows, hidden), dtype=torch.bfloat16)
+    out = torch.empty((rows, hidden), dtype=dtype)
     if residual is None:
-        _lib().np_rms_norm(
+        fn(
             xr.data_ptr(), xr.stride(0), None, 0, weight.data_ptr(), out.data_ptr(), hidden,
             None, 0, rows, hidden, eps,
         )  # fmt: skip
         return out if xr is x else out.view(x.shape)
-    _tensor("residual", residual, torch.bfloat16)
+    _tensor("residual", residual, dtype)
     _shape("residual", residual, tuple(x.shape), "x's")
     rr = _rows(residual)
     new_residual = torch.empty_like(out)
-    _lib().np_rms_norm(
+    fn(
         xr.data_ptr(), xr.stride(0), rr.data_ptr(), rr.stride(0), weight.data_ptr(),
         out.data_ptr(), hidden, new_residual.data_ptr(), hidden, rows, hidden, eps,
     )  # fmt: skip
     if xr is x:
         return out, new_residual
     return out.view(x.shape), new_residual.view(x.shape)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul_ref's result for fp32 x [..., 2 * d] (exp within ~2 ulp of torch's): a new
+    contiguous [..., d]."""
+    _tensor("x", x, torch.float32)
+    if x.dim() == 0 or x.shape[-1] % 2:
+        raise ValueError(f"x's last dimension must be even ([..., 2 * d]), got {tuple(x.shape)}")
+    xr = _rows(x)
+    rows, d = xr.shape[0], xr.shape[1] // 2
+    out = torch.empty((rows, d), dtype=torch.float32)
+    _lib().np_silu_mul_f32(xr.data_ptr(), xr.stride(0), out.data_ptr(), d, rows, d)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], d)
+
+
+def linear_row(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) for one fp32 row x [1, in] (its sums in another order, within
+    fp32 rounding): weight [out, in] with rows of stride 1, bias None or [out]; [1, out]."""
+    _tensor("x", x, torch.float32, 2)
+    _tensor("weight", weight, torch.float32, 2)
+    n, k = weight.shape
+    if x.shape != (1, k) or x.stride(1) != 1:
+        raise ValueError(f"x must be one row [1, {k}] of stride 1 (weight's in), got shape "
+                         f"{tuple(x.shape)}, strides {x.stride()}")  # fmt: skip
+    if weight.stride(1) != 1 or weight.stride(0) < k:
+        raise ValueError(f"weight's rows must be of stride 1 and at least {k} apart, got "
+                         f"strides {weight.stride()}")  # fmt: skip
+    if bias is not None:
+        _index_vector("bias", bias, torch.float32, n, "one per row of weight")
+    out = torch.empty((1, n), dtype=torch.float32)
+    _lib().np_gemv_f32(
+        x.data_ptr(), weight.data_ptr(), weight.stride(0),
+        None if bias is None else bias.data_ptr(), out.data_ptr(), n, k,
+    )  # fmt: skip
+    return out
 
 
 def rotate(x: torch.Tensor, cos_t: torch.Tensor, signed_sin_t: torch.Tensor) -> torch.Tensor:

@@ -100,9 +100,17 @@ class CudaLinear:
 
 
 def _rms_norm_native(x, weight, eps, residual=None):
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+    native = x.dtype in (torch.bfloat16, torch.float32) and weight.dtype == x.dtype
+    if not native or (residual is not None and residual.dtype != x.dtype):
         return rms_norm.rms_norm_ref(x, weight, eps, residual)
     return cpu_native.rms_norm(x, weight, eps, residual)
+
+
+def _silu_and_mul_native(x):
+    # fp32 in C (one pass, no chunk views); 16-bit dtypes stay torch's (see CPU_NATIVE)
+    if x.dtype != torch.float32:
+        return silu_and_mul.silu_and_mul_ref(x)
+    return cpu_native.silu_and_mul(x)
 
 
 def _rotate_native(x, cos_t, signed_sin_t):
@@ -168,14 +176,14 @@ def triton_ops() -> Backend:
     return replace(TRITON, linear=CudaLinear())
 
 
-# bfloat16 models on a CPU where kernels/cpu_native.c compiled: its kernels for the norms and
-# rotary; the rest as TORCH.
+# Models on a CPU where kernels/cpu_native.c compiled: its kernels for the norms, rotary (bf16),
+# and fp32's SiLU and one-row GEMMs; the rest as TORCH.
 CPU_NATIVE = Backend(
     name="cpu-native",
-    linear=cpu_gemm.linear,
+    linear=cpu_gemm.native_linear,
     rms_norm=_rms_norm_native,
-    # SiLU stays torch's: its vectorized exp beat a C loop here (bound by arithmetic)
-    silu_and_mul=silu_and_mul.silu_and_mul_ref,
+    # bf16 SiLU stays torch's: its vectorized exp beat a C loop there (bound by arithmetic)
+    silu_and_mul=_silu_and_mul_native,
     fused_moe=fused_moe.fused_moe_ref,
     sample=sampler.sample_ref,
     argmax=sampler.argmax_ref,

@@ -4,9 +4,10 @@ torch's plain bf16 `F.linear` on CPU reorders the weight on every call; at decod
 that costs more than the multiply. Prepacked, a bf16 decode GEMM beats the fp32 one at batch 1
 and is about 4x faster at batch 16 (benchmarks/cpu_bench.py --gemm). fp32 weights are packed
 too: oneDNN's fp32 GEMM beat torch's `F.linear` (MKL) at 16 rows by 10-35% on SmolLM2's shapes
-(the LM head most) on an AVX2 EPYC, and lost at one row except on the LM head; its sums run in
-another order (within fp32 rounding of F.linear's). Large row counts (prefill) stay on
-`F.linear`, which is faster there.
+(the LM head most) on an AVX2 EPYC; at one row fp32 runs the C GEMV of kernels/cpu_native.c
+on the plain weight (native_linear), except on the LM head. Their sums run in another order
+(within fp32 rounding of F.linear's). Large row counts (prefill) stay on `F.linear`, which is
+faster there.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from nanopaged.kernels import cpu_native
 
 # Rows up to this many use the packed weight; more rows use F.linear (measured crossover).
 PACKED_MAX_ROWS = 256
@@ -63,6 +66,27 @@ def linear(
     if packed is not None and x.dim() == 2 and _takes_packed(x.shape[0], weight):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def native_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """linear, except one fp32 row on a weight under the packed LM head's size runs the C GEMV
+    (cpu_native.linear_row, on the plain weight), which streams the weight at one row faster
+    than F.linear or the packed copy; for the op table of a model whose C kernels built."""
+    if (
+        x.dtype == weight.dtype == torch.float32
+        and x.dim() == 2
+        and x.shape[0] == 1
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+        and weight.nbytes < _F32_ONE_ROW_MIN_BYTES
+    ):
+        return cpu_native.linear_row(x, weight, bias)
+    return linear(x, weight, bias, packed)
 
 
 def pack_model(model: nn.Module) -> int:

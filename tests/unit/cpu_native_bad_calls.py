@@ -15,7 +15,10 @@ import torch
 from nanopaged.kernels import cpu_native
 
 BF16 = torch.bfloat16
-ENTRIES = ("rms_norm", "rotate", "store_kv", "paged_decode", "rotary_decode")
+ENTRIES = (
+    "rms_norm", "rotate", "store_kv", "paged_decode", "rotary_decode", "silu_and_mul",
+    "linear_row",
+)  # fmt: skip
 TOKENS, HEADS, KV_HEADS, DIM, BLOCKS, BLOCK_SIZE = 3, 4, 2, 64, 4, 16
 
 
@@ -40,6 +43,11 @@ def valid_args(entry: str) -> dict[str, object]:
     if entry == "rms_norm":
         x = torch.randn(TOKENS, 32, generator=gen).to(BF16)
         return dict(x=x, weight=torch.ones(32, dtype=BF16), eps=1e-6, residual=x.clone())
+    if entry == "silu_and_mul":
+        return dict(x=torch.randn(TOKENS, 2 * 33, generator=gen))
+    if entry == "linear_row":
+        weight = torch.randn(7, 33, generator=gen)
+        return dict(x=torch.randn(1, 33, generator=gen), weight=weight, bias=torch.ones(7))
     if entry == "rotate":
         table = torch.ones(TOKENS, 1, DIM, dtype=BF16)
         return dict(x=q, cos_t=table, signed_sin_t=table.clone())
@@ -105,7 +113,8 @@ def _cases() -> list[BadCall]:
         c("{}", "max_context_len", lambda n: 5.0, TypeError, r"max_context_len must be an int"),
     ]
     cases = [
-        c("rms_norm", "x", lambda t: t.float(), TypeError, r"x must be torch.bfloat16"),
+        c("rms_norm", "x", lambda t: t.half(), TypeError, r"x must be torch.bfloat16 or torch.f"),
+        c("rms_norm", "x", lambda t: t.float(), TypeError, r"weight must be torch.float32"),
         c("rms_norm", "x", _meta, ValueError, r"x must be a CPU tensor"),
         c("rms_norm", "x", lambda t: t[0, 0], ValueError, r"x must have at least one dimension"),
         c("rms_norm", "weight", lambda t: t[:16], ValueError, r"weight must have shape \(32,\)"),
@@ -114,6 +123,21 @@ def _cases() -> list[BadCall]:
         c("rms_norm", "residual", lambda t: t[:2], ValueError, r"residual must have shape"),
         c("rms_norm", "residual", lambda t: t.float(), TypeError, r"residual must be torch.bf"),
         c("rms_norm", "eps", lambda e: None, TypeError, r"eps must be a number"),
+        c("silu_and_mul", "x", lambda t: t.to(BF16), TypeError, r"x must be torch.float32"),
+        c("silu_and_mul", "x", lambda t: t[:, :65], ValueError, r"x's last dimension must be ev"),
+        c("silu_and_mul", "x", lambda t: t[0, 0], ValueError, r"x's last dimension must be even"),
+        c("silu_and_mul", "x", _meta, ValueError, r"x must be a CPU tensor"),
+        c("linear_row", "x", lambda t: t.repeat(2, 1), ValueError, r"x must be one row \[1, 33\]"),
+        c("linear_row", "x", lambda t: t[:, :32], ValueError, r"x must be one row \[1, 33\]"),
+        c("linear_row", "x", lambda t: t.double(), TypeError, r"x must be torch.float32"),
+        c("linear_row", "x", lambda t: t.view(33), ValueError, r"x must have 2 dimensions"),
+        c("linear_row", "x", _meta, ValueError, r"x must be a CPU tensor"),
+        c("linear_row", "weight", lambda t: t.T.contiguous().T, ValueError,
+          r"weight's rows must be of stride 1"),  # fmt: skip
+        c("linear_row", "weight", lambda t: t.to(BF16), TypeError, r"weight must be torch.fl"),
+        c("linear_row", "bias", lambda t: t[:6], ValueError, r"bias must have shape \(7,\)"),
+        c("linear_row", "bias", lambda t: t.repeat(2)[::2], ValueError, r"bias must be contig"),
+        c("linear_row", "bias", lambda t: t.double(), TypeError, r"bias must be torch.float32"),
         c("rotate", "x", lambda t: t[0], ValueError, r"x must have 3 dimensions"),
         c("rotate", "x", lambda t: t[..., :63], ValueError, r"x must have an even last dim"),
         c("rotate", "x", lambda t: t.transpose(1, 2), ValueError, r"x must have an even last"),

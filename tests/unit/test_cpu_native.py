@@ -58,7 +58,7 @@ def test_builds_once_into_the_cache(monkeypatch, tmp_path):
 def test_backend_choice_and_opt_out(monkeypatch):
     native = attention_backend("cpu", BF16)
     assert type(native) is CpuNativeAttention and native.ops is CPU_NATIVE
-    fp32 = attention_backend("cpu", torch.float32)  # decode attention in C, the rest torch's
+    fp32 = attention_backend("cpu", torch.float32)  # C decode, norms, SiLU, one-row GEMMs
     assert type(fp32) is CpuNativeAttention
     for dtype in (torch.float16, None):
         backend = attention_backend("cpu", dtype)
