@@ -12,7 +12,8 @@ SmolLM2-135M-Instruct (a real model: acceptance depends on what it writes).
 
 For each batch size B the requests run in groups of B (the 8 repeated to fill the groups,
 each group a `chat` of B conversations), without speculation and with each configuration:
-n-gram (k = 4, lookup 2..4), and a draft model with --draft. Each LLM is built, runs all 8
+n-gram (--ngram: k = 4 with lookups of 2..4 tokens, k = 8 with 1..4), and a draft model with
+--draft. Each LLM is built, runs all 8
 conversations once at each B untimed (every kernel variant compiled), then is timed on
 --groups groups. The configurations take turns for --rounds rounds, each on a fresh LLM; the
 fastest round counts. Each timed group also runs once for 1 token (prefix caching off, so it
@@ -257,6 +258,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--groups", type=int, default=8, help="timed groups per batch size")
     parser.add_argument("--rounds", type=int, default=2, help="turns of each configuration")
+    parser.add_argument("--ngram", nargs="+", default=["4:2:4", "8:1:4"],
+                        help="n-gram configurations, each k:prompt_lookup_min:prompt_lookup_max")
     parser.add_argument("--draft", default=None, help="a draft model for a draft_model row")
     parser.add_argument("--kv-cache-memory", type=int, default=None,
                         help="bytes of KV cache (a draft_model run on a GPU needs it)")
@@ -285,7 +288,13 @@ def main(argv: list[str] | None = None) -> dict:
     # No prefix caching: each group's prompts are prefilled in both of its timed runs.
     llm_kwargs = dict(dtype=args.dtype, max_model_len=2048, kv_cache_memory=args.kv_cache_memory,
                       enable_prefix_caching=False)  # fmt: skip
-    configs: dict[str, dict | None] = {"none": None, "ngram k=4": NGRAM}
+    configs: dict[str, dict | None] = {"none": None}
+    for spec in args.ngram:
+        k, low, high = map(int, spec.split(":"))
+        configs[f"ngram k={k} n={low}..{high}"] = {
+            "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": low,
+            "prompt_lookup_max": high,
+        }  # fmt: skip
     if args.draft:
         configs["draft_model k=4"] = {"method": "draft_model", "model": args.draft,
                                       "num_speculative_tokens": 4}  # fmt: skip
@@ -307,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
             s = r.get("speculation")
             extra = (f", acceptance {s['acceptance_rate']:.2f}, mean accepted length "
                      f"{s['mean_accepted_length']:.2f}" if s else "")  # fmt: skip
-            print(f"{name:18s} batch {r['batch']:3d}: {r['tok_per_s']:9.1f} tok/s = "
+            print(f"{name:22s} batch {r['batch']:3d}: {r['tok_per_s']:9.1f} tok/s = "
                   f"{r['ratio']:.2f}x; decode {r['decode_tok_per_s']:9.1f} tok/s = "
                   f"{r['decode_ratio']:.2f}x{extra}", flush=True)  # fmt: skip
     if args.json:

@@ -88,7 +88,9 @@ class Sampler:
         counts = [len(d) + 1 for d in drafts]
         offsets = [s.num_output_tokens + j for s, c in zip(seqs, counts) for j in range(c)]
         # Kept as settings() keeps its own (the keys differ: either step rewrites the slots).
-        key = (tuple(s.seq_id for s in seqs), tuple(counts))
+        # Greedy rows' settings are all alike: only how many there are matters.
+        greedy = all(s.row.greedy for s in seqs)
+        key = (tuple(s.seq_id for s in seqs), sum(counts) if greedy else tuple(counts))
         if self._cache is not None and self._cache[0] == key:
             _, st, last = self._cache
             if not st.all_greedy and offsets != last:
