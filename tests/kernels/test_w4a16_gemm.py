@@ -69,14 +69,14 @@ def awq_dequantize(qweight, qzeros, scales, group: int) -> torch.Tensor:
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_awq_repack_dequantizes_exactly(group):
     """Random AWQ tensors (every int32 bit pattern, N = 72: an odd count of packs) repacked into
-    the kernels' layout dequantize to exactly AWQ's own dequantization."""
+    the kernels' layout on the test device dequantize to exactly AWQ's own dequantization."""
     k, n = 384, 72
     gen = torch.Generator().manual_seed(group)
     words = lambda *shape: torch.randint(-(1 << 31), 1 << 31, shape, generator=gen,  # noqa: E731
                                          dtype=torch.int64).int()  # fmt: skip
     qweight, qzeros = words(k, n // 8), words(k // group, n // 8)
     scales = torch.rand(k // group, n, generator=gen).half()
-    packed_w, packed_z = repack_awq(qweight, qzeros)
+    packed_w, packed_z = (t.cpu() for t in repack_awq(qweight.to(DEVICE), qzeros.to(DEVICE)))
     assert packed_w.shape == (k // 8, n) and packed_z.shape == qzeros.shape
     assert packed_w.dtype == packed_z.dtype == torch.int32
     w = Int4Weight(packed_w, scales, packed_z, group)
