@@ -1,7 +1,8 @@
 """Quantized GEMMs on Qwen3-8B's projection shapes against their bandwidth bound (GPU only):
-W4A16 (AWQ, GPTQ, GPTQ desc_act) and W8A8 FP8 (128x128 blocks; per channel through the Triton
-kernel and through torch._scaled_mm), with bf16 cuBLAS (F.linear) beside them, at 1, 4, 8, 16
-and 256 rows (W4A16 up to M_GEMV rows runs its GEMV kernel, above it the tensor-core one).
+W4A16 (AWQ repacked as at load, GPTQ, GPTQ desc_act) and W8A8 FP8 (128x128 blocks; per
+channel through the Triton kernel and through torch._scaled_mm), with bf16 cuBLAS (F.linear)
+beside them, at 1, 4, 8, 16 and 256 rows (W4A16 up to M_GEMV rows runs its GEMV kernel, above
+it the tensor-core one).
 
 python benchmarks/quant_gemm_bench.py [--rows 1 4 8 16 256] [--kinds ...] [--shapes ...] [--tune]
     [--json PATH]
@@ -32,6 +33,7 @@ from skinny_gemm_bench import ROTATE_BYTES, copy_tbps, graph_us  # noqa: E402
 
 from nanopaged.kernels import fp8_gemm, w4a16_gemm  # noqa: E402
 from nanopaged.kernels.w4a16_gemm import Int4Weight, W4A16Config  # noqa: E402
+from nanopaged.quantization.awq import repack_awq  # noqa: E402
 
 # weight [N, K] of Qwen3-8B's projections
 SHAPES = {
@@ -57,15 +59,16 @@ def make_weight(kind: str, n: int, k: int):
         return (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
     groups = k // GROUP
     scales = (torch.rand(groups, n, device="cuda") * 2e-3).half()
-    if kind == "awq":
-        return Int4Weight("awq", _int32((k, n // 8)), scales, _int32((groups, n // 8)), GROUP)
+    if kind == "awq":  # AWQ's tensors, repacked as the AWQ layer does after loading
+        qweight, qzeros = repack_awq(_int32((k, n // 8)), _int32((groups, n // 8)))
+        return Int4Weight(qweight, scales, qzeros, GROUP)
     if kind.startswith("gptq"):
         g_idx = None
         if kind == "gptq-desc_act":
             g_idx = torch.empty(k, dtype=torch.int32, device="cuda")
             g_idx[torch.randperm(k, device="cuda")] = (
                 torch.arange(k, device="cuda") // GROUP).int()  # fmt: skip
-        return Int4Weight("gptq", _int32((k // 8, n)), scales, None, GROUP, g_idx, 1)
+        return Int4Weight(_int32((k // 8, n)), scales, None, GROUP, g_idx, 1)
     w = torch.randn(n, k, device="cuda").mul(50).clamp(-448, 448).to(fp8_gemm.FP8)
     if kind == "fp8-block":
         return w, torch.rand(n // BLOCK[0], k // BLOCK[1], device="cuda") * 1e-3

@@ -1,20 +1,17 @@
-"""y = x W for 4-bit weights in AWQ or GPTQ packing, dequantized in registers (W4A16).
+"""y = x W for 4-bit weights in GPTQ's packing, dequantized in registers (W4A16).
 
 At decode the weight bytes are the step's cost; 4-bit weights are a quarter of bf16's. The
-kernel loads each packed int32 once per tile (a [BLOCK_K, BLOCK_N / 8] or [BLOCK_K / 8, BLOCK_N]
-tile, contiguous along the fast axis), unpacks its nibbles in registers with shifts over a third
-axis of 8, subtracts the zero and feeds the tensor cores the 16-bit integers; the group's scale
-multiplies the tile's product, not each weight. One pass over the packed weight, no dequantized
-copy in memory (the idea Marlin builds on; the layout stays the checkpoint's, so loading never
-repacks).
+kernel loads each packed int32 once per tile (a [BLOCK_K / 8, BLOCK_N] tile, contiguous along
+N), unpacks its nibbles in registers with shifts over a third axis of 8, subtracts the zero and
+feeds the tensor cores the 16-bit integers; the group's scale multiplies the tile's product, not
+each weight. One pass over the packed weight, no dequantized copy in memory (the idea Marlin
+builds on).
 
-- AWQ ("GEMM" version): qweight [K, N/8], eight output columns per int32 in the order
-  0, 2, 4, 6, 1, 3, 5, 7 (column j of a pack sits at nibble (j % 2) * 4 + j // 2); qzeros
-  [K/group, N/8] packed the same way; scales [K/group, N].
-- GPTQ: qweight [K/8, N], eight input rows per int32, row k at nibble k % 8; qzeros
-  [K/group, N/8] with column n at nibble n % 8; scales [K/group, N]; g_idx [K], the group of
-  each input row (desc_act orders rows by activation size, so groups are not contiguous).
-  v1 checkpoints store zero - 1 (zero_offset=1).
+The one layout (GPTQ's): qweight [K/8, N], eight input rows per int32, row k at nibble k % 8;
+qzeros [K/group, N/8] with column n at nibble n % 8; scales [K/group, N]; g_idx [K], the group
+of each input row (desc_act orders rows by activation size, so groups are not contiguous). GPTQ
+v1 checkpoints store zero - 1 (zero_offset=1). AWQ checkpoints hold the same values packed
+along N; quantization/awq.py repacks them into this layout at load.
 
 W[k, n] = (q[k, n] - zero[g(k), n]) * scale[g(k), n]; symmetric weights have zero 8.
 
@@ -37,36 +34,33 @@ try:
 except ImportError:  # CPU-only installs dequantize at load (dequantize_int4)
     triton = None
 
-LAYOUTS = ("awq", "gptq")
 PACK = 8  # 4-bit values per int32
 
 
 @dataclass
 class Int4Weight:
-    """A 4-bit weight of in_features x out_features, packed as its checkpoint stores it."""
+    """A 4-bit weight of in_features x out_features in the module docstring's packing."""
 
-    layout: str  # "awq" or "gptq", see the module docstring
-    qweight: torch.Tensor  # int32
+    qweight: torch.Tensor  # int32 [in_features / 8, out_features]
     scales: torch.Tensor  # [groups, out_features]
     qzeros: torch.Tensor | None  # int32 [groups, out_features / 8]; None: symmetric (zero 8)
     group_size: int
-    g_idx: torch.Tensor | None = None  # int32 [in_features] (GPTQ); None: row k in k // group
+    g_idx: torch.Tensor | None = None  # int32 [in_features]; None: row k in k // group_size
     zero_offset: int = 0  # added to each stored zero (GPTQ v1 checkpoints store zero - 1)
 
     @property
     def in_features(self) -> int:
-        rows = self.qweight.shape[0]
-        return rows if self.layout == "awq" else rows * PACK
+        return self.qweight.shape[0] * PACK
 
     @property
     def out_features(self) -> int:
         return self.scales.shape[1]
 
 
-def _nibbles(packed: torch.Tensor, dim: int, order: tuple[int, ...]) -> torch.Tensor:
-    """int32 values of 4-bit fields: packed [..] -> 8x longer along dim; value j of each int32
-    comes from nibble order[j]."""
-    shifts = torch.tensor(order, dtype=torch.int32, device=packed.device) * 4
+def unpack_nibbles(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """int32 values of 4-bit fields: packed [..] -> 8x longer along dim, value j of each int32
+    from nibble j."""
+    shifts = torch.arange(0, 4 * PACK, 4, dtype=torch.int32, device=packed.device)
     # fields: packed with a new axis of 8 after dim, each the nibble at its shift
     fields = packed.unsqueeze(dim + 1) >> shifts.view([-1] + [1] * (packed.dim() - dim - 1))
     fields = fields & 0xF
@@ -75,22 +69,23 @@ def _nibbles(packed: torch.Tensor, dim: int, order: tuple[int, ...]) -> torch.Te
     return fields.reshape(shape)
 
 
-AWQ_ORDER = tuple((j % 2) * 4 + j // 2 for j in range(PACK))  # nibble of column j in a pack
-SEQUENTIAL = tuple(range(PACK))
-
-
 def unpack_int4(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [K, N], zeros [groups, N]) as int32, zeros with zero_offset applied."""
-    if w.layout == "awq":
-        q = _nibbles(w.qweight, 1, AWQ_ORDER)
-    else:
-        q = _nibbles(w.qweight, 0, SEQUENTIAL)
+    q = unpack_nibbles(w.qweight, 0)
     if w.qzeros is None:
         zeros = torch.full(w.scales.shape, 8, dtype=torch.int32, device=q.device)
     else:
-        zeros = _nibbles(w.qzeros, 1, AWQ_ORDER if w.layout == "awq" else SEQUENTIAL)
-        zeros = zeros + w.zero_offset
+        zeros = unpack_nibbles(w.qzeros, 1) + w.zero_offset
     return q, zeros
+
+
+def without_constant_zeros(w: Int4Weight) -> Int4Weight:
+    """w without its zeros where every zero is 8 (symmetric): the kernels then skip reading
+    them."""
+    if w.qzeros is None:
+        return w
+    _, zeros = unpack_int4(w)
+    return replace(w, qzeros=None, zero_offset=0) if bool((zeros == 8).all()) else w
 
 
 def group_index(w: Int4Weight) -> torch.Tensor:
@@ -136,9 +131,9 @@ M_GEMV = 1
 
 
 def _gemv_tile(rows: int, block_k: int) -> W4A16Config:
-    """A GEMV default for up to `rows` rows: 256 columns (AWQ: 128 bytes of each packed row,
-    GPTQ: 1 KB), K split to fill the GPU; fewer K rows a tile as rows grow, for registers
-    (sm_90 builds of 8 rows at 128 K rows spill)."""
+    """A GEMV default for up to `rows` rows: 256 columns (1 KB of each packed row), K split
+    to fill the GPU; fewer K rows a tile as rows grow, for registers (sm_90 builds of 8 rows
+    at 128 K rows spill)."""
     return W4A16Config(rows, 256, block_k, split_k=0, num_warps=4, num_stages=2, gemv=True)
 
 
@@ -183,20 +178,17 @@ def default_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132) 
 if triton is not None:
 
     @triton.jit
-    def _unpack_cols(packed, AWQ: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-        """[ROWS, COLS / 8] int32 -> [ROWS, COLS] nibbles, eight columns per int32 (AWQ's
-        interleaved order or in sequence): one load per int32, unpacked in registers."""
-        j = tl.arange(0, 8)
-        if AWQ:
-            shifts = ((j % 2) * 4 + j // 2) * 4
-        else:
-            shifts = j * 4
+    def _unpack_cols(packed, ROWS: tl.constexpr, COLS: tl.constexpr):
+        """[ROWS, COLS / 8] int32 -> [ROWS, COLS] nibbles, eight columns per int32 (the
+        zeros): one load per int32, unpacked in registers."""
+        shifts = tl.arange(0, 8) * 4
         q = (packed[:, :, None] >> shifts[None, None, :]) & 0xF
         return tl.reshape(q, (ROWS, COLS))
 
     @triton.jit
     def _unpack_rows(packed, ROWS: tl.constexpr, COLS: tl.constexpr):
-        """[ROWS / 8, COLS] int32 -> [ROWS, COLS] nibbles, eight rows per int32 (GPTQ)."""
+        """[ROWS / 8, COLS] int32 -> [ROWS, COLS] nibbles, eight rows per int32 (the
+        weight)."""
         shifts = tl.arange(0, 8) * 4
         q = (packed[:, None, :] >> shifts[None, :, None]) & 0xF
         return tl.reshape(q, (ROWS, COLS))
@@ -206,7 +198,7 @@ if triton is not None:
         x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr,
         M, N, K, k_per_split, group_size, zero_offset,
         stride_xm, stride_qw, stride_s, stride_z, stride_os, stride_om,
-        AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
+        HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):  # fmt: skip
@@ -215,7 +207,7 @@ if triton is not None:
         split = tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        # packed columns (AWQ weight, zeros of both layouts) and packed rows (GPTQ weight)
+        # packed columns of the zeros
         offs_pn = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
         mask_m = offs_m < M
         mask_n = offs_n < N
@@ -230,18 +222,13 @@ if triton is not None:
                 x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                 mask=mask_m[:, None] & mask_k[None, :], other=0.0,
             )  # fmt: skip
-            # q: [BLOCK_K, BLOCK_N] 4-bit values from [BLOCK_K, BLOCK_N / 8] (AWQ) or
-            # [BLOCK_K / 8, BLOCK_N] (GPTQ) int32s, each read once
-            if AWQ:
-                packed = tl.load(qw_ptr + offs_k[:, None] * stride_qw + offs_pn[None, :],
-                                 mask=mask_k[:, None] & mask_pn[None, :], other=0)  # fmt: skip
-                q = _unpack_cols(packed, True, BLOCK_K, BLOCK_N)
-            else:
-                offs_pk = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-                packed = tl.load(qw_ptr + offs_pk[:, None] * stride_qw + offs_n[None, :],
-                                 mask=(offs_pk < k_end // 8)[:, None] & mask_n[None, :],
-                                 other=0)  # fmt: skip
-                q = _unpack_rows(packed, BLOCK_K, BLOCK_N)
+            # q: [BLOCK_K, BLOCK_N] 4-bit values from [BLOCK_K / 8, BLOCK_N] int32s, each
+            # read once
+            offs_pk = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            packed = tl.load(qw_ptr + offs_pk[:, None] * stride_qw + offs_n[None, :],
+                             mask=(offs_pk < k_end // 8)[:, None] & mask_n[None, :],
+                             other=0)  # fmt: skip
+            q = _unpack_rows(packed, BLOCK_K, BLOCK_N)
             if HAS_G_IDX:
                 # rows of one tile may sit in any group: gather a scale (and zero) per row
                 mask_w = mask_k[:, None] & mask_n[None, :]
@@ -251,7 +238,7 @@ if triton is not None:
                 if HAS_ZEROS:
                     zp = tl.load(z_ptr + g[:, None] * stride_z + offs_pn[None, :],
                                  mask=mask_k[:, None] & mask_pn[None, :], other=0)  # fmt: skip
-                    zero = _unpack_cols(zp, AWQ, BLOCK_K, BLOCK_N) + zero_offset
+                    zero = _unpack_cols(zp, BLOCK_K, BLOCK_N) + zero_offset
                 else:
                     zero = 8
                 w = ((q - zero).to(tl.float32) * scale).to(x.dtype)
@@ -264,7 +251,7 @@ if triton is not None:
                 scale = tl.load(s_ptr + g * stride_s + offs_n, mask=mask_n, other=0.0)
                 if HAS_ZEROS:
                     zp = tl.load(z_ptr + g * stride_z + offs_pn, mask=mask_pn, other=0)
-                    zero = tl.reshape(_unpack_cols(zp[None, :], AWQ, 1, BLOCK_N), (BLOCK_N,))
+                    zero = tl.reshape(_unpack_cols(zp[None, :], 1, BLOCK_N), (BLOCK_N,))
                     w = (q - (zero + zero_offset)[None, :]).to(x.dtype)
                 else:
                     w = (q - 8).to(x.dtype)
@@ -289,8 +276,8 @@ if triton is not None:
     # 2^23, nibble n of an int32 reads as 2^23 + q * 2^s (s = 4n for n <= 4; nibbles 5-7 come
     # from the int32 shifted right by 12, one shift for three nibbles), and subtracting
     # 2^23 + zero * 2^s leaves (q - zero) * 2^s exactly. Per weight: one and-or (LOP3), one
-    # subtract, one FMA per row of x; the power of two goes into the column's scale (AWQ) or
-    # into x (GPTQ), the zero costs nothing. A tile lies in one group, so the group's scale
+    # subtract, one FMA per row of x; the power of two goes into x (each nibble is an input
+    # row), the zero costs nothing. A tile lies in one group, so the group's scale
     # multiplies each column's sum, not each weight. Rows of x loop inside the program: the
     # packed tile is read once for all of them.
 
@@ -309,129 +296,12 @@ if triton is not None:
             return _magic(hi & (0xF << (4 * NIBBLE - 12)))
 
     @triton.jit
-    def _add_rows(acc, x_ptr, w, offs_k, mask_k, row0, M, stride_xm, scale, BLOCK_M: tl.constexpr):
-        """acc [BLOCK_M, C] += scale * sum_k x[row, k] w[k, c] for each row of the program;
-        w: [R, C] floats, offs_k [R] the input row of each of w's rows."""
-        rows = tl.arange(0, BLOCK_M)
-        for r in tl.static_range(BLOCK_M):
-            # rows past M read row M - 1: never stored, and no row mask per load
-            row = tl.minimum(row0 + r, M - 1)
-            x = tl.load(x_ptr + row * stride_xm + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            part = tl.sum(x[:, None] * w, axis=0) * scale
-            acc += tl.where(rows[:, None] == r, part[None, :], 0.0)
-        return acc
-
-    @triton.jit
-    def _gemv_awq_cols(
-        acc, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k, mask_k, row0, M,
-        stride_xm, stride_s, zero_offset, J: tl.constexpr,
-        HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, BLOCK_M: tl.constexpr,
-    ):  # fmt: skip
-        """acc [BLOCK_M, P] += the AWQ tile's sums for output column 8 p + J of each pack p."""
-        NIBBLE: tl.constexpr = (J % 2) * 4 + J // 2
-        SHIFT: tl.constexpr = 4 * NIBBLE - 12 * (NIBBLE > 4)  # see _nibble
-        q = _nibble(packed, hi, NIBBLE)  # [BLOCK_K, P]: 2^23 + q * 2^SHIFT
-        cols = offs_p * 8 + J
-        if HAS_ZEROS:  # 2^23 + zero * 2^SHIFT: [P] or [BLOCK_K, P]
-            bias = _magic((((zp >> (4 * NIBBLE)) & 0xF) + zero_offset) << SHIFT)
-        else:
-            bias = 8388608.0 + 8.0 * (1 << SHIFT)
-        if HAS_G_IDX:
-            # rows of a tile may sit in any group: a scale per weight
-            mask = mask_k[:, None] & mask_p[None, :]
-            scale = tl.load(s_ptr + gk[:, None] * stride_s + cols[None, :], mask=mask, other=0.0)
-            w = (q - bias) * (scale.to(tl.float32) * (1.0 / (1 << SHIFT)))
-            acc = _add_rows(acc, x_ptr, w, offs_k, mask_k, row0, M, stride_xm, 1.0, BLOCK_M)
-        else:
-            scale = tl.load(s_ptr + g * stride_s + cols, mask=mask_p, other=0.0).to(tl.float32)
-            scale = scale * (1.0 / (1 << SHIFT))
-            if HAS_ZEROS:
-                w = q - bias[None, :]
-            else:
-                w = q - bias
-            acc = _add_rows(acc, x_ptr, w, offs_k, mask_k, row0, M, stride_xm, scale, BLOCK_M)
-        return acc
-
-    @triton.jit
-    def _store_awq_cols(ptr, acc, rows, mask_m, offs_p, mask_p, stride, J: tl.constexpr):
-        """acc [BLOCK_M, P] -> output columns 8 p + J."""
-        cols = offs_p * 8 + J
-        tl.store(ptr + rows[:, None] * stride + cols[None, :], acc.to(ptr.dtype.element_ty),
-                 mask=mask_m[:, None] & mask_p[None, :])  # fmt: skip
-
-    @triton.jit
-    def _gemv_awq(
-        x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, dest, M, N, k_start, k_end, group_size, zero_offset,
-        stride_xm, stride_qw, stride_s, stride_z, stride_d, pid_n, row0,
-        HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        """dest [rows, this block's columns] = the AWQ weight's sums over K rows [k_start, k_end):
-        eight accumulators, one per column of a pack, so no tile is ever reshaped."""
-        offs_p = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
-        mask_p = offs_p < N // 8
-        a0 = tl.zeros((BLOCK_M, BLOCK_N // 8), dtype=tl.float32)
-        a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
-        for k0 in range(k_start, k_end, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < k_end
-            mask = mask_k[:, None] & mask_p[None, :]
-            # packed: [BLOCK_K, P] int32, each row's P int32s contiguous
-            packed = tl.load(qw_ptr + offs_k[:, None] * stride_qw + offs_p[None, :], mask=mask,
-                             other=0)  # fmt: skip
-            hi = packed >> 12
-            g = k0 // group_size
-            gk = offs_k
-            zp = 0
-            if HAS_G_IDX:
-                gk = tl.load(g_ptr + offs_k, mask=mask_k, other=0)
-                if HAS_ZEROS:
-                    zp = tl.load(z_ptr + gk[:, None] * stride_z + offs_p[None, :], mask=mask,
-                                 other=0)  # fmt: skip
-            elif HAS_ZEROS:
-                zp = tl.load(z_ptr + g * stride_z + offs_p, mask=mask_p, other=0)
-            a0 = _gemv_awq_cols(a0, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
-                                mask_k, row0, M, stride_xm, stride_s, zero_offset, 0,
-                                HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
-            a1 = _gemv_awq_cols(a1, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
-                                mask_k, row0, M, stride_xm, stride_s, zero_offset, 1,
-                                HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
-            a2 = _gemv_awq_cols(a2, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
-                                mask_k, row0, M, stride_xm, stride_s, zero_offset, 2,
-                                HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
-            a3 = _gemv_awq_cols(a3, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
-                                mask_k, row0, M, stride_xm, stride_s, zero_offset, 3,
-                                HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
-            a4 = _gemv_awq_cols(a4, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
-                                mask_k, row0, M, stride_xm, stride_s, zero_offset, 4,
-                                HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
-            a5 = _gemv_awq_cols(a5, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
-                                mask_k, row0, M, stride_xm, stride_s, zero_offset, 5,
-                                HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
-            a6 = _gemv_awq_cols(a6, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
-                                mask_k, row0, M, stride_xm, stride_s, zero_offset, 6,
-                                HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
-            a7 = _gemv_awq_cols(a7, packed, hi, zp, gk, g, x_ptr, s_ptr, offs_p, mask_p, offs_k,
-                                mask_k, row0, M, stride_xm, stride_s, zero_offset, 7,
-                                HAS_ZEROS, HAS_G_IDX, BLOCK_M)  # fmt: skip
-        rows = row0 + tl.arange(0, BLOCK_M)
-        mask_m = rows < M
-        _store_awq_cols(dest, a0, rows, mask_m, offs_p, mask_p, stride_d, 0)
-        _store_awq_cols(dest, a1, rows, mask_m, offs_p, mask_p, stride_d, 1)
-        _store_awq_cols(dest, a2, rows, mask_m, offs_p, mask_p, stride_d, 2)
-        _store_awq_cols(dest, a3, rows, mask_m, offs_p, mask_p, stride_d, 3)
-        _store_awq_cols(dest, a4, rows, mask_m, offs_p, mask_p, stride_d, 4)
-        _store_awq_cols(dest, a5, rows, mask_m, offs_p, mask_p, stride_d, 5)
-        _store_awq_cols(dest, a6, rows, mask_m, offs_p, mask_p, stride_d, 6)
-        _store_awq_cols(dest, a7, rows, mask_m, offs_p, mask_p, stride_d, 7)
-
-    @triton.jit
-    def _gptq_row(
+    def _gemv_row(
         packed, hi, zq, scale, x_ptr, s_ptr, z_ptr, g_ptr, row, offs_pk, mask_pk, offs_n, mask,
         stride_xm, stride_s, stride_z, zero_offset,
         HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
     ):  # fmt: skip
-        """[BLOCK_N] sums of one row of x over a GPTQ tile: nibble i of packed row pk is input
+        """[BLOCK_N] sums of one row of x over a packed tile: nibble i of packed row pk is input
         row 8 pk + i, so the eight nibbles add up in each thread before one reduction."""
         t = tl.zeros(packed.shape, dtype=tl.float32)
         for i in tl.static_range(8):
@@ -455,14 +325,13 @@ if triton is not None:
         return tl.sum(t, axis=0)
 
     @triton.jit
-    def _gemv_gptq(
+    def _gemv_block(
         x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, dest, M, N, k_start, k_end, group_size, zero_offset,
         stride_xm, stride_qw, stride_s, stride_z, stride_d, pid_n, row0,
         HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        """dest [rows, this block's columns] = the GPTQ weight's sums over K rows [k_start,
-        k_end)."""
+        """dest [rows, this block's columns] = the weight's sums over K rows [k_start, k_end)."""
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         rows = tl.arange(0, BLOCK_M)
@@ -488,7 +357,7 @@ if triton is not None:
             for r in tl.static_range(BLOCK_M):
                 # rows past M read row M - 1: never stored, and no row mask per load
                 row = tl.minimum(row0 + r, M - 1)
-                part = _gptq_row(packed, hi, zq, scale, x_ptr, s_ptr, z_ptr, g_ptr, row, offs_pk,
+                part = _gemv_row(packed, hi, zq, scale, x_ptr, s_ptr, z_ptr, g_ptr, row, offs_pk,
                                  mask_pk, offs_n, mask, stride_xm, stride_s, stride_z,
                                  zero_offset, HAS_ZEROS, HAS_G_IDX)  # fmt: skip
                 tile += tl.where(rows[:, None] == r, part[None, :], 0.0)
@@ -530,7 +399,7 @@ if triton is not None:
         x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, part_ptr, count_ptr,
         M, N, K, k_per_split, group_size, zero_offset,
         stride_xm, stride_qw, stride_s, stride_z, stride_om,
-        AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
+        HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLITS: tl.constexpr, FUSED_SUM: tl.constexpr,
     ):  # fmt: skip
@@ -546,14 +415,9 @@ if triton is not None:
             dest = part_ptr + split * M * N
             stride_d = N
         row0 = pid_m * BLOCK_M
-        if AWQ:
-            _gemv_awq(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, dest, M, N, k_start, k_end, group_size,
-                      zero_offset, stride_xm, stride_qw, stride_s, stride_z, stride_d, pid_n, row0,
-                      HAS_ZEROS, HAS_G_IDX, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-        else:
-            _gemv_gptq(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, dest, M, N, k_start, k_end, group_size,
-                       zero_offset, stride_xm, stride_qw, stride_s, stride_z, stride_d, pid_n,
-                       row0, HAS_ZEROS, HAS_G_IDX, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        _gemv_block(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, dest, M, N, k_start, k_end, group_size,
+                    zero_offset, stride_xm, stride_qw, stride_s, stride_z, stride_d, pid_n, row0,
+                    HAS_ZEROS, HAS_G_IDX, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         if SPLITS > 1 and FUSED_SUM:
             _sum_if_last(part_ptr, out_ptr, count_ptr, M, N, stride_om, pid_n, pid_m, BLOCK_M,
                          BLOCK_N, SPLITS)  # fmt: skip
@@ -572,13 +436,11 @@ def sum_splits(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _check(x: torch.Tensor, w: Int4Weight, config: W4A16Config) -> None:
     k, n = w.in_features, w.out_features
-    assert w.layout in LAYOUTS, w.layout
     assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1, (x.shape, k)
     assert w.qweight.dtype == torch.int32 and w.qweight.is_contiguous()
     assert w.scales.is_contiguous() and w.scales.shape == (w.scales.shape[0], n)
     assert n % PACK == 0 and k % PACK == 0, (k, n)
-    expect = (k, n // PACK) if w.layout == "awq" else (k // PACK, n)
-    assert tuple(w.qweight.shape) == expect, (tuple(w.qweight.shape), expect)
+    assert tuple(w.qweight.shape) == (k // PACK, n), (tuple(w.qweight.shape), k, n)
     if w.qzeros is not None:
         assert w.qzeros.dtype == torch.int32 and w.qzeros.is_contiguous()
         assert tuple(w.qzeros.shape) == (w.scales.shape[0], n // PACK)
@@ -632,7 +494,7 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, config: W4A16Config | None = None
         m, n, k, k_per_split, w.group_size, w.zero_offset,
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), zeros.stride(0),
         out.stride(0), out.stride(1),
-        AWQ=w.layout == "awq", HAS_ZEROS=w.qzeros is not None, HAS_G_IDX=w.g_idx is not None,
+        HAS_ZEROS=w.qzeros is not None, HAS_G_IDX=w.g_idx is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         DOT_PRECISION=dot_precision(x.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -656,7 +518,7 @@ def _gemv(x: torch.Tensor, w: Int4Weight, config: W4A16Config, grid: tuple[int, 
         x, w.qweight, w.scales, zeros, g_idx, out, part, counters,
         m, n, w.in_features, k_per_split, w.group_size, w.zero_offset,
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), zeros.stride(0), out.stride(0),
-        AWQ=w.layout == "awq", HAS_ZEROS=w.qzeros is not None, HAS_G_IDX=w.g_idx is not None,
+        HAS_ZEROS=w.qzeros is not None, HAS_G_IDX=w.g_idx is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLITS=splits, FUSED_SUM=config.fused_sum,
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -137,11 +137,9 @@ class GptqLinearMethod(LinearMethod):
             )
         self.g_idx_parts += 1
 
-    def _weight(self, layer, zeros: bool = True) -> Int4Weight:
-        return Int4Weight(
-            "gptq", layer.qweight, layer.scales, layer.qzeros if zeros else None, self.group,
-            getattr(layer, "g_idx", None), self.config.zero_offset,
-        )  # fmt: skip
+    def _weight(self, layer) -> Int4Weight:
+        return Int4Weight(layer.qweight, layer.scales, layer.qzeros, self.group,
+                          getattr(layer, "g_idx", None), self.config.zero_offset)  # fmt: skip
 
     def dequantize(self, layer, dtype):
         return w4a16_gemm.dequantize_int4(self._weight(layer), dtype).t().contiguous()
@@ -150,9 +148,7 @@ class GptqLinearMethod(LinearMethod):
         return w4a16_gemm.triton is not None
 
     def prepare_kernels(self, layer) -> None:
-        _, zeros = w4a16_gemm.unpack_int4(self._weight(layer))
-        # zero 8 everywhere (symmetric): the kernel skips reading the zeros
-        layer.int4 = self._weight(layer, zeros=not bool((zeros == 8).all()))
+        layer.int4 = w4a16_gemm.without_constant_zeros(self._weight(layer))
 
     def apply(self, layer, x):
         x = x.reshape(-1, x.shape[-1])

@@ -1,14 +1,14 @@
-"""w4a16_gemm (Triton; the tensor-core and the GEMV kernel) against w4a16_gemm_ref over AWQ
-and GPTQ packings (symmetric or not, desc_act, one group), row counts, K splits (fused or by
-sum_splits) and ragged tiles; dequantize_int4 against the weights the test's own packers
-wrote."""
+"""w4a16_gemm (Triton; the tensor-core and the GEMV kernel) against w4a16_gemm_ref over GPTQ
+packings (symmetric or not, desc_act, v1 zeros, one group) and AWQ weights repacked into it,
+row counts, K splits (fused or by sum_splits) and ragged tiles; dequantize_int4 against the
+weights the test's own packers wrote; the AWQ repack against AWQ's own dequantization."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from kernel_inputs import DEVICE
-from quant_formats import quantize_awq, quantize_gptq
+from quant_formats import AWQ_ORDER_MAP, quantize_awq, quantize_gptq
 
 from nanopaged.kernels.w4a16_gemm import (
     M_GEMV,
@@ -20,6 +20,7 @@ from nanopaged.kernels.w4a16_gemm import (
     w4a16_gemm,
     w4a16_gemm_ref,
 )
+from nanopaged.quantization.awq import repack_awq
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
@@ -27,29 +28,60 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" 
 def make_weight(kind: str, n: int, k: int, group: int, seed: int = 0):
     """(Int4Weight, the dequantized [n, k] weight the packer meant) of a random weight."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) / k**0.5
-    if kind == "awq":
+    if kind == "awq":  # repacked as the AWQ layer does after loading
         t, deq = quantize_awq(w, group)
-        return Int4Weight("awq", t["qweight"], t["scales"], t["qzeros"], group), deq
+        qweight, qzeros = repack_awq(t["qweight"], t["qzeros"])
+        return Int4Weight(qweight, t["scales"], qzeros, group), deq
     sym, desc_act, v1 = kind == "gptq-sym", kind == "gptq-desc_act", kind != "gptq-v2"
     t, deq = quantize_gptq(w, group, sym, desc_act, v1=v1, seed=seed)
     zeros = None if sym else t["qzeros"]  # symmetric: the kernel's constant 8
     g_idx = t["g_idx"] if desc_act else None
-    return Int4Weight("gptq", t["qweight"], t["scales"], zeros, group, g_idx, int(v1)), deq
+    return Int4Weight(t["qweight"], t["scales"], zeros, group, g_idx, int(v1)), deq
 
 
 def to_device(w: Int4Weight) -> Int4Weight:
     move = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
-    return Int4Weight(w.layout, move(w.qweight), move(w.scales), move(w.qzeros), w.group_size,
+    return Int4Weight(move(w.qweight), move(w.scales), move(w.qzeros), w.group_size,
                       move(w.g_idx), w.zero_offset)  # fmt: skip
 
 
-KINDS = ["awq", "gptq-sym", "gptq-asym", "gptq-desc_act", "gptq-v2"]
+# The kernels see one layout: a repacked AWQ weight is an asymmetric one with zero_offset 0,
+# as gptq-v2 is, so "awq" joins only a few tests (odd tiles, dtypes, GPU shapes).
+KINDS = ["gptq-sym", "gptq-asym", "gptq-desc_act", "gptq-v2"]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ["awq"] + KINDS)
 def test_dequantize_matches_the_packed_weights(kind):
     w, deq = make_weight(kind, 48, 128, 32)
     assert torch.equal(dequantize_int4(w, torch.float32), deq.t())
+
+
+def awq_dequantize(qweight, qzeros, scales, group: int) -> torch.Tensor:
+    """[K, N] fp32 from AWQ's own packing: column 8 c + AWQ_ORDER_MAP[i] at nibble i of pack c."""
+    nibble_of = [AWQ_ORDER_MAP.index(j) for j in range(8)]
+    shifts = 4 * torch.tensor(nibble_of, dtype=torch.int32).repeat(qweight.shape[1])  # [N]
+    q = (qweight.repeat_interleave(8, dim=1) >> shifts) & 0xF
+    zeros = (qzeros.repeat_interleave(8, dim=1) >> shifts) & 0xF
+    g = torch.arange(qweight.shape[0]) // group
+    return (q - zeros[g]).float() * scales[g].float()
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_awq_repack_dequantizes_exactly(group):
+    """Random AWQ tensors (every int32 bit pattern, N = 72: an odd count of packs) repacked into
+    the kernels' layout on the test device dequantize to exactly AWQ's own dequantization."""
+    k, n = 384, 72
+    gen = torch.Generator().manual_seed(group)
+    words = lambda *shape: torch.randint(-(1 << 31), 1 << 31, shape, generator=gen,  # noqa: E731
+                                         dtype=torch.int64).int()  # fmt: skip
+    qweight, qzeros = words(k, n // 8), words(k // group, n // 8)
+    scales = torch.rand(k // group, n, generator=gen).half()
+    packed_w, packed_z = (t.cpu() for t in repack_awq(qweight.to(DEVICE), qzeros.to(DEVICE)))
+    assert packed_w.shape == (k // 8, n) and packed_z.shape == qzeros.shape
+    assert packed_w.dtype == packed_z.dtype == torch.int32
+    w = Int4Weight(packed_w, scales, packed_z, group)
+    assert torch.equal(dequantize_int4(w, torch.float32),
+                       awq_dequantize(qweight, qzeros, scales, group))  # fmt: skip
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -79,7 +111,7 @@ def test_kernel_matches_reference(kind, dtype, m, config):
     assert_close(out, w4a16_gemm_ref(x, w))
 
 
-@pytest.mark.parametrize("kind", ["awq", "gptq-sym", "gptq-asym", "gptq-desc_act"])
+@pytest.mark.parametrize("kind", ["gptq-sym", "gptq-asym", "gptq-desc_act"])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("m", [1, 3, 16, 33, 256])
 def test_groups_and_rows_with_default_config(kind, group, m):
@@ -126,7 +158,7 @@ GEMV_KINDS = KINDS + ["gptq-desc_act-sym"]
 def make_gemv_weight(kind: str, n: int, k: int, group: int, seed: int) -> Int4Weight:
     if kind == "gptq-desc_act-sym":  # desc_act without zeros: g_idx with the constant 8
         w, _ = make_weight("gptq-desc_act", n, k, group, seed)
-        return to_device(Int4Weight("gptq", w.qweight, w.scales, None, group, w.g_idx, 0))
+        return to_device(Int4Weight(w.qweight, w.scales, None, group, w.g_idx, 0))
     return to_device(make_weight(kind, n, k, group, seed)[0])
 
 
@@ -168,7 +200,7 @@ def test_gemv_fused_sum_resets_its_counters():
     """The last split of each column block resets its counter: the next launch sums right."""
     from nanopaged.kernels.w4a16_gemm import split_counters
 
-    w = make_gemv_weight("awq", 64, 256, 64, seed=5)
+    w = make_gemv_weight("gptq-asym", 64, 256, 64, seed=5)
     config = W4A16Config(2, 16, 32, split_k=4, gemv=True)
     for seed in (0, 1):
         x = torch.randn(2, 256, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
@@ -204,7 +236,7 @@ def test_one_group_and_default_config():
 
 def test_strided_rows():
     """x rows with a stride (a view into a wider tensor) are read in place."""
-    w, _ = make_weight("awq", 32, 64, 32)
+    w, _ = make_weight("gptq-asym", 32, 64, 32)
     w = to_device(w)
     wide = torch.randn(4, 96).to(DEVICE)
     x = wide[:, :64]
