@@ -72,23 +72,31 @@ def test_greedy_rows_accept_while_the_argmax_equals_the_draft():
         start += k + 1
 
 
-def test_one_hot_drafts_give_the_plain_samplers_tokens():
-    """For n-gram drafts every new token is the one the plain sampler draws at its position:
-    speculation does not change a seeded output."""
-    gen = torch.Generator().manual_seed(1)
+def one_hot_case(seed: int, copies: int, k_step: int, keep_mod: int):
+    """A batch of MIXED rows with n-gram-like drafts: (logits, settings, each row's drafts, the
+    plain sampler's draw at every verified position, ks); row i's drafts copy the plain
+    sampler's chain for min(i % keep_mod, k_i) positions, then deviate."""
+    gen = torch.Generator().manual_seed(seed)
     vocab = 64
-    rows = MIXED * 3
-    ks = [(3 * i) % 7 for i in range(len(rows))]
+    rows = MIXED * copies
+    ks = [(k_step * i) % 7 for i in range(len(rows))]
     seeds = [1000 + 17 * i for i in range(len(rows))]
     offsets = [i % 5 for i in range(len(rows))]
     logits = torch.randn(sum(ks) + len(ks), vocab, generator=gen) * 2
     plain = plain_tokens(logits, rows, seeds, offsets, ks)
-    drafts, want = [], []
+    drafts = []
     for i, (k, chain) in enumerate(zip(ks, plain)):
-        keep = min(i % 4, k)
-        drafts += chain[:keep] + [(t + 1 + i) % vocab for t in chain[keep:k]]
-        want.append(chain[: keep + 1])
-    out = rejection_sample(logits, settings(rows, seeds, offsets), torch.tensor(drafts), ks)
+        keep = min(i % keep_mod, k)
+        drafts.append(chain[:keep] + [(t + 1 + i) % vocab for t in chain[keep:k]])
+    return logits, settings(rows, seeds, offsets), drafts, plain, ks
+
+
+def test_one_hot_drafts_give_the_plain_samplers_tokens():
+    """For n-gram drafts every new token is the one the plain sampler draws at its position:
+    speculation does not change a seeded output."""
+    logits, st, drafts, plain, ks = one_hot_case(1, copies=3, k_step=3, keep_mod=4)
+    want = [chain[: min(i % 4, k) + 1] for i, (k, chain) in enumerate(zip(ks, plain))]
+    out = rejection_sample(logits, st, torch.tensor([t for d in drafts for t in d]), ks)
     assert new_tokens(out) == want
 
 
@@ -96,28 +104,17 @@ def test_draws_at_every_position_verify_as_the_rejection_sampler():
     """A step sampled in the decode graph brings the plain sampler's draw at every verified
     position (DraftStepHandle.of_draws): with one-hot drafts its new tokens are the rejection
     sampler's, and only the logits of the tokens a row emits are checked for being finite."""
-    gen = torch.Generator().manual_seed(2)
-    vocab = 64
-    rows = MIXED * 2
-    ks = [(5 * i) % 6 for i in range(len(rows))]
-    seeds = [7 + 3 * i for i in range(len(rows))]
-    offsets = [i % 4 for i in range(len(rows))]
-    logits = torch.randn(sum(ks) + len(ks), vocab, generator=gen) * 2
-    plain = plain_tokens(logits, rows, seeds, offsets, ks)
-    drafts = []
-    for i, (k, chain) in enumerate(zip(ks, plain)):
-        keep = min(i % 3, k)
-        drafts.append(chain[:keep] + [(t + 2 + i) % vocab for t in chain[keep:k]])
+    logits, st, drafts, plain, ks = one_hot_case(2, copies=2, k_step=5, keep_mod=3)
     flat = torch.tensor([t for chain in plain for t in chain])
     draws = DeviceSamples(flat, logits.gather(1, flat[:, None])[:, 0])
-    want = rejection_sample(logits, settings(rows, seeds, offsets),
-                            torch.tensor([t for d in drafts for t in d]), ks)  # fmt: skip
-    assert DraftStepHandle.of_draws(draws, drafts).result() == new_tokens(want)
+    want = new_tokens(rejection_sample(logits, st, torch.tensor([t for d in drafts for t in d]),
+                                       ks))  # fmt: skip
+    assert DraftStepHandle.of_draws(draws, drafts).result() == want
     # A non-finite logit past a row's new tokens is not its output's: no error.
-    row = next(i for i, k in enumerate(ks) if len(new_tokens(want)[i]) <= k)
-    past = sum(k + 1 for k in ks[:row]) + len(new_tokens(want)[row])
+    row = next(i for i, k in enumerate(ks) if len(want[i]) <= k)
+    past = sum(k + 1 for k in ks[:row]) + len(want[row])
     draws.sampled_logits[past] = float("nan")
-    assert DraftStepHandle.of_draws(draws, drafts).result() == new_tokens(want)
+    assert DraftStepHandle.of_draws(draws, drafts).result() == want
     draws.sampled_logits[past - 1] = float("inf")  # the row's last new token
     with pytest.raises(NonFiniteLogitsError):
         DraftStepHandle.of_draws(draws, drafts).result()
