@@ -163,18 +163,19 @@ def make_gemv_weight(kind: str, n: int, k: int, group: int, seed: int) -> Int4We
 
 
 @pytest.mark.parametrize("kind", GEMV_KINDS)
-@pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize(
-    "m, config",
+    "m, config, group",
     [
-        (1, W4A16Config(1, 64, 32, gemv=True)),  # one pass over K, no split
-        (2, W4A16Config(2, 16, 16, split_k=3, gemv=True)),  # fused sum, a short last split
-        (3, W4A16Config(4, 32, 32, split_k=2, fused_sum=False, gemv=True)),  # sum_splits
-        (8, W4A16Config(8, 128, 64, split_k=2, gemv=True)),  # a tile wider than the weight
+        (1, W4A16Config(1, 64, 32, gemv=True), 32),  # one pass over K, no split
+        (1, W4A16Config(1, 64, 32, gemv=True), 128),  # four K steps a group
+        (2, W4A16Config(2, 32, 16, split_k=3, gemv=True), 64),  # fused sum, a short last split
+        (3, W4A16Config(4, 32, 32, split_k=2, fused_sum=False, gemv=True), 32),  # sum_splits
+        (3, W4A16Config(4, 32, 32, split_k=2, fused_sum=False, gemv=True), 128),
+        (8, W4A16Config(8, 128, 64, split_k=2, gemv=True), 64),  # a tile wider than the weight
     ],
     ids=str,
 )
-def test_gemv_matches_reference(kind, group, m, config):
+def test_gemv_matches_reference(kind, m, config, group):
     """The GEMV kernel over layouts, zeros, desc_act, v1 zeros, groups, rows and K splits (n =
     88: eleven packs, ragged tiles; K = 384: three groups of 128, twelve of 32)."""
     if config.block_k > group:

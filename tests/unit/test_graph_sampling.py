@@ -176,7 +176,7 @@ def test_rows_that_need_more_than_a_token_sample_outside(runner, graphs, params)
     assert _in_graph(runner, _decode_step(2), seqs) is None
     # min_tokens reached: the row is plain again.
     if params.min_tokens:
-        assert _in_graph(runner, _decode_step(2), _seqs(params, outputs=4)) is not None
+        assert _in_graph(runner, _decode_step(1), _seqs(params, outputs=4)) is not None
 
 
 def test_forks_and_beams_sample_outside(runner, graphs):
@@ -200,6 +200,31 @@ def test_steps_off_the_graph_sample_outside(runner, graphs):
     assert _in_graph(runner, step, two[1:]) is None
     graphs.can_sample = False  # tensor parallel: graphs without samplers
     assert _in_graph(runner, _decode_step(2), two) is None
+
+
+def test_steps_with_drafts_draw_at_every_verified_position(runner, graphs):
+    """A step with drafts, its tokens one-token rows (as_decode_rows), draws in the graph at
+    each verified position: a row of settings per position, at the row's output position plus
+    j; kept across steps with the same rows, the offsets moved on."""
+    seqs = _seqs(SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.5))
+    seqs[1].seed = 456
+    drafts = [[7, 8], []]
+    rows = StepRows.of(seqs, speculating=True)
+    st = runner._graph_sampling(_decode_step(4), seqs, rows, drafts)
+    assert st is not None and st.temperatures.data_ptr() == graphs.slots.values.data_ptr()
+    assert graphs.slots.values[0, :4].tolist() == pytest.approx([0.8, 0.8, 0.8, 0.5])
+    assert graphs.slots.ints[2, :4].tolist() == [1, 2, 3, 1]  # output positions
+    seed = graphs.slots.ints[1, :4].tolist()
+    assert seed[0] == seed[1] == seed[2] != seed[3]
+    for seq, new in zip(seqs, (3, 1)):  # row 0 took both drafts and a bonus token
+        seq.token_ids += [5] * new
+    again = runner._graph_sampling(_decode_step(4), seqs, rows, drafts)
+    assert again is st and graphs.slots.ints[2, :4].tolist() == [4, 5, 6, 2]
+    # Rows and positions disagree (the step did not run as one-token rows): outside.
+    assert runner._graph_sampling(_decode_step(2), seqs, rows, drafts) is None
+    # A plain step of the same sequences writes its own settings again.
+    plain = _in_graph(runner, _decode_step(2), seqs)
+    assert plain is not None and graphs.slots.ints[2, :2].tolist() == [4, 2]
 
 
 def test_early_stop_mask_bans_each_rows_stops_until_min_tokens():
