@@ -248,8 +248,10 @@ class ModelRunner:
             return False
         return self.graphs.can_run(len(step.input_ids)) and batch.one_token_rows()
 
-    def _graph_sampling(self, step: StepInputs, seqs: list[Sequence], rows: StepRows,
-                        drafts: list[list[int]] | None = None) -> SamplingTensors | None:  # fmt: skip
+    def _graph_sampling(
+        self, step: StepInputs, seqs: list[Sequence], rows: StepRows,
+        drafts: list[list[int]] | None = None,
+    ) -> SamplingTensors | None:  # fmt: skip
         """The settings to sample the step inside its decode graph, or None when it samples
         outside. Inside: a graph-replayed decode step whose rows are graph_safe (StepRows), on
         one GPU, every row sampling in order, and no prompt row scored (its hidden state must
