@@ -55,14 +55,14 @@ def _accepted_draws(draws: torch.Tensor, logits: torch.Tensor, drafts: list[list
     """(each row's new tokens, whether finite logits decided all of them) from the draws at
     its verified positions (DraftStepHandle.of_draws)."""
     tokens = draws.tolist()
-    finite = torch.isfinite(logits)
+    finite = torch.isfinite(logits).tolist()  # host lists: no tensor op per row
     outputs, rows_finite, at = [], [], 0
     for d in drafts:
         n = 0
         while n < len(d) and tokens[at + n] == d[n]:
             n += 1
         outputs.append(tokens[at : at + n + 1])
-        rows_finite.append(bool(finite[at : at + n + 1].all()))
+        rows_finite.append(all(finite[at : at + n + 1]))
         at += len(d) + 1
     return outputs, torch.tensor(rows_finite, dtype=torch.bool)
 
