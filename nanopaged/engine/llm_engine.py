@@ -459,10 +459,6 @@ class LLMEngine:
             if launched is None:
                 raise RuntimeError("the scheduler could not make progress")  # invariant
         batch, handle = launched
-        # A step with grammar masks samples now: the matchers took the previous step's tokens
-        # at its commit, while this step's forward pass ran. Its samples are queued before
-        # the next forward pass, which reads them on the device.
-        handle = handle.sampled()
         # A decode row computes the last sampled token (and its drafts, speculating); prompts
         # are prefill, however short.
         num_decode = sum(
@@ -473,9 +469,12 @@ class LLMEngine:
             and seq.num_computed_tokens == len(seq) - 1
         )
         ahead = self.may_run_ahead(batch, handle)
+        if not ahead:
+            handle = handle.sampled()
         self.scheduler.advance(batch)
         if ahead:  # plan and launch the next step while this one runs on the device
             self._in_flight = self._launch(prev=handle)
+        handle = handle.sampled()
         step = self.scheduler.commit(
             batch, handle.result(), handle.logprobs(), handle.prompt_logprobs()
         )
@@ -495,11 +494,19 @@ class LLMEngine:
 
     def _launch(self, prev: StepHandle | None = None) -> tuple[ScheduledBatch, StepHandle] | None:
         """Schedule a step and queue it on the device (None: nothing to run). prev: the step
-        launched before it, whose samples are still on the device."""
+        launched before it, whose samples are still on the device.
+
+        A step with grammar masks samples (prev.sampled()) once the matchers took the tokens
+        of the step before it, at that step's commit; their masks fill on the host meanwhile,
+        while this step is planned and its inputs prepared. Its samples are queued before
+        this step's forward pass, which reads them on the device."""
         batch = self.scheduler.schedule()
-        if not batch.seqs:
+        prepared = self.runner.prepare(batch) if batch.seqs else None
+        if prev is not None:
+            prev = prev.sampled()
+        if prepared is None:
             return None
-        return batch, self.runner.launch(batch, self.eos_token_ids, prev=prev)
+        return batch, self.runner.submit(prepared, self.eos_token_ids, prev=prev)
 
     def _drain(self) -> None:
         """Wait out a step launched ahead whose sequences have all ended: its tokens are

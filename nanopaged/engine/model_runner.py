@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -46,6 +47,16 @@ from nanopaged.sampling.prompt_logprobs import PromptScores, score_prompt_rows
 from nanopaged.sampling.rows import StepRows
 from nanopaged.sampling.sampler import Sampler
 from nanopaged.sampling.sharded import sample_shards, settings_array
+
+
+class PreparedStep(NamedTuple):
+    """A step's host half (ModelRunner.prepare): its batch, the sequences that sample, their
+    rows' needs, and its inputs."""
+
+    batch: ScheduledBatch
+    sampled_seqs: list[Sequence]
+    rows: StepRows
+    step: StepInputs
 
 
 class ModelRunner:
@@ -279,16 +290,17 @@ class ModelRunner:
         (a SampleOutput each when a fork, a beam, logprobs or penalties are involved)."""
         return self.launch(batch, eos_token_ids).sampled().result()
 
-    @torch.inference_mode()
     def launch(
         self, batch: ScheduledBatch, eos_token_ids: set[int], prev: StepHandle | None = None
     ) -> StepHandle:
-        """Queue the batch's forward pass and sampling on the device without waiting for them.
+        """Queue the batch's forward pass and sampling on the device without waiting for them
+        (prepare, then submit)."""
+        return self.submit(self.prepare(batch), eos_token_ids, prev)
 
-        Sequences whose newest token is still pending take it from `prev`'s sampled tokens on the
-        device (asynchronous scheduling); a step with grammar masks queues its sampler later
-        (StepHandle.sampled).
-        """
+    def prepare(self, batch: ScheduledBatch) -> PreparedStep:
+        """The host half of a launch: the step's inputs as host arrays, nothing queued on the
+        device yet. The engine prepares the next step while a grammar's masks still fill for
+        the step before it (LLMEngine._launch)."""
         seqs = batch.seqs
         sampled_seqs = [seqs[i] for i in range(len(seqs)) if batch.samples(i)]
         rows = self.sampler.rows(sampled_seqs, batch.speculating)
@@ -299,6 +311,19 @@ class ModelRunner:
         step = build_step_inputs(batch, host, settings_array(sampled_seqs) if shards else None)
         if self._verifies_in_graph(batch, step):
             step = as_decode_rows(step)
+        return PreparedStep(batch, sampled_seqs, rows, step)
+
+    @torch.inference_mode()
+    def submit(
+        self, prepared: PreparedStep, eos_token_ids: set[int], prev: StepHandle | None = None
+    ) -> StepHandle:
+        """The device half of a launch: queue the prepared step's forward pass and sampling.
+
+        Sequences whose newest token is still pending take it from `prev`'s sampled tokens on
+        the device (asynchronous scheduling; prev's sampler is queued already); a step with
+        grammar masks queues its sampler later (StepHandle.sampled).
+        """
+        batch, sampled_seqs, rows, step = prepared
         if self.workers is not None:
             self.workers.publish(step)  # tensor parallel: every rank runs the same step
         drafts = batch.sampled_drafts() if batch.draft_token_ids else None

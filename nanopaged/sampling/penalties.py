@@ -184,17 +184,23 @@ def penalize(
     return logits
 
 
-def mask_early_stops(logits: torch.Tensor, seqs: list[Sequence], eos: set[int]) -> None:
+def mask_early_stops(
+    logits: torch.Tensor, seqs: list[Sequence], eos: set[int], outputs: list[int] | None = None
+) -> None:
     """Forbid EOS and stop tokens to sequences that have not reached min_tokens (in place):
     one index copy from page-locked memory and one kernel for all rows, so the step stays
-    asynchronous (an index list per row copied from pageable memory waited for the device)."""
+    asynchronous (an index list per row copied from pageable memory waited for the device).
+    outputs: each sequence's output count before this step's token, when the sequences
+    moved on since (a deferred sampler); default their num_output_tokens now."""
     rows: list[int] = []
     cols: list[int] = []
-    for i, seq in enumerate(seqs):
+    if outputs is None:
+        outputs = [seq.num_output_tokens for seq in seqs]
+    for i, (seq, num_outputs) in enumerate(zip(seqs, outputs)):
         p = seq.sampling_params
         # A grammar that can take nothing more allows EOS alone: min_tokens yields to it.
         done = seq.matcher is not None and seq.matcher.is_terminated()
-        if seq.num_output_tokens < seq.row.min_tokens and not done:
+        if num_outputs < seq.row.min_tokens and not done:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
             rows += [i] * len(banned)
             cols += banned

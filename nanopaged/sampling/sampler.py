@@ -9,6 +9,7 @@ logprobs in the same pass), the host path for forks, beams and logit controls.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -124,15 +125,23 @@ class Sampler:
         Rows with a grammar defer the sampling (StepHandle.deferred): their masks need each
         matcher past the previous step's token, which may still be on the device while this
         step's forward pass is queued (asynchronous scheduling). The engine runs the sampler
-        once the matchers took it (StepHandle.sampled), as a synchronous step would have."""
+        once the matchers took it (StepHandle.sampled). On the device path all that reads the
+        sequences runs now (settings, penalties, min_tokens masks): the engine may advance
+        them to the next step before it samples this one."""
         if drafts is not None:
             return self.sample_drafts(logits, seqs, rows, drafts, eos_token_ids)
-        if rows.constrained:
-            assert isinstance(logits, torch.Tensor), "masked rows sample outside the graphs"
-            return StepHandle.deferred(
+        if not rows.constrained:
+            return self._sample(logits, seqs, rows, pending, eos_token_ids)
+        assert isinstance(logits, torch.Tensor), "masked rows sample outside the graphs"
+        if rows.host:  # synchronous (not run_ahead): the sequences wait for it as they are
+            handle = StepHandle.deferred(
                 lambda: self._sample(logits, seqs, rows, pending, eos_token_ids)
             )
-        return self._sample(logits, seqs, rows, pending, eos_token_ids)
+        else:
+            handle = StepHandle.deferred(self._masked(logits, seqs, rows, pending,
+                                                      eos_token_ids))  # fmt: skip
+        handle.run_ahead = rows.run_ahead
+        return handle
 
     @torch.inference_mode()
     def _sample(
@@ -232,29 +241,74 @@ class Sampler:
         pending: torch.Tensor | None,
         eos_token_ids: set[int],
     ) -> StepHandle:
-        counts = None
-        if rows.penalties:
-            if self.penalty_counts is None:
-                self.penalty_counts = PenaltyCounts(logits.shape[-1], logits.device)
-            counts = self.penalty_counts
         mask = self.token_mask(seqs) if rows.constrained else None
         if rows.host:
+            counts = self._penalty_counts(logits) if rows.penalties else None
             outputs = sample_sequences(logits.float(), seqs, eos_token_ids, pending, counts, mask)
             return StepHandle.of_outputs(outputs)
-        if counts is not None:
-            # Penalized rows stay plain (asynchronous): their counts take a pending token
-            # from the previous step's samples on the device.
-            logits = penalize(logits.float(), seqs, pending, counts)
+        logits, st = self._prepared(logits, seqs, rows, pending)
         if rows.early:
             mask_early_stops(logits, seqs, eos_token_ids)
+        return self._draw(logits, st, rows, mask)
+
+    def _penalty_counts(self, logits: torch.Tensor) -> PenaltyCounts:
+        """The penalized sequences' token counts on the device (made on first use)."""
+        if self.penalty_counts is None:
+            self.penalty_counts = PenaltyCounts(logits.shape[-1], logits.device)
+        return self.penalty_counts
+
+    def _prepared(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        rows: StepRows,
+        pending: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, SamplingTensors]:
+        """The device path's logits after penalties, and its settings (queued now: they read
+        the sequences' token counts)."""
+        if rows.penalties:
+            # Penalized rows stay plain (asynchronous): their counts take a pending token
+            # from the previous step's samples on the device.
+            logits = penalize(logits.float(), seqs, pending, self._penalty_counts(logits))
+        return logits, self.settings(seqs)
+
+    def _masked(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        rows: StepRows,
+        pending: torch.Tensor | None,
+        eos_token_ids: set[int],
+    ) -> Callable[[], StepHandle]:
+        """A device-path step with grammar rows: its settings now, its masks and draws when
+        the returned function runs (StepHandle.deferred). min_tokens yields to a finished
+        grammar, so its mask is decided then, from the output counts of now."""
+        logits, st = self._prepared(logits, seqs, rows, pending)
+        outputs = [s.num_output_tokens for s in seqs]
+
+        @torch.inference_mode()
+        def draw() -> StepHandle:
+            if rows.early:
+                mask_early_stops(logits, seqs, eos_token_ids, outputs)
+            handle = self._draw(logits, st, rows, self.token_mask(seqs))
+            handle.seqs = seqs
+            handle.run_ahead = rows.run_ahead
+            return handle
+
+        return draw
+
+    def _draw(
+        self, logits: torch.Tensor, st: SamplingTensors, rows: StepRows, mask: TokenMask | None
+    ) -> StepHandle:
+        """The fused kernel's draws (and raw logprobs where rows ask) from prepared logits."""
         widths = rows.logprob_widths
         if all(w is None for w in widths):
-            tokens = sample(logits, self.settings(seqs), mask=mask).token_ids
+            tokens = sample(logits, st, mask=mask).token_ids
             picked = logits.gather(1, tokens[:, None])[:, 0]
             return StepHandle.copy_to_host(tokens, sampled_logits=picked)
         # Raw logprobs in the same pass; no row here is masked (see rows.on_host).
         k = min(max(w or 0 for w in widths), logits.shape[-1])
-        out = sample(logits, self.settings(seqs), k, need_logprobs=True, mask=mask)
+        out = sample(logits, st, k, need_logprobs=True, mask=mask)
         picked = logits.gather(1, out.token_ids[:, None])
         ranks = (logits > picked).sum(dim=-1) + 1  # 1-based rank of the sampled token
         top_v = out.top_logprobs if k else out.logprobs[:, None][:, :0]

@@ -123,8 +123,8 @@ def test_every_row_constrained_runs_ahead_and_equals_sync(byte_llama):
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
-def test_stop_strings_min_tokens_and_logprobs_with_masks_run_ahead(byte_llama):
-    prompts = _prompts(6, seed=1)
+def test_stop_strings_min_tokens_logprobs_and_penalties_with_masks_run_ahead(byte_llama):
+    prompts = _prompts(15, seed=1)
     params = [
         SamplingParams(temperature=0.8, seed=1, max_tokens=40, stop=["e"],
                        structured_outputs=_spec(0)),
@@ -136,6 +136,13 @@ def test_stop_strings_min_tokens_and_logprobs_with_masks_run_ahead(byte_llama):
         SamplingParams(temperature=0.8, seed=5, max_tokens=90, ignore_eos=True,
                        structured_outputs=_spec(5)),  # ends with its grammar ("stop")
         SamplingParams(temperature=0.8, seed=6, max_tokens=20),  # no grammar beside them
+        # Penalties are counted when the step launches, the mask applied when it samples.
+        SamplingParams(temperature=0.8, seed=7, max_tokens=40, presence_penalty=1.5,
+                       frequency_penalty=0.5, min_tokens=3, structured_outputs=_spec(6)),
+    ] + [  # min_tokens where the grammar allows EOS from the first letter on
+        SamplingParams(temperature=1.5, seed=10 + i, max_tokens=30, min_tokens=4,
+                       structured_outputs=StructuredOutputsParams(regex="[a-f]{1,12}"))
+        for i in range(8)
     ]  # fmt: skip
     sync = _outputs(_llm(byte_llama, False).generate(prompts, params, use_tqdm=False))
     llm = _llm(byte_llama, True)
@@ -146,6 +153,10 @@ def test_stop_strings_min_tokens_and_logprobs_with_masks_run_ahead(byte_llama):
     assert sum(c and a for c, a in seen) >= 5, seen
     assert ahead[1][0][2] == "stop" and ahead[1][0][1] in params[1].structured_outputs.choice
     assert ahead[4][0][2] == "stop"
+    lengths = [len(o[0][0]) for o in ahead[7:]]
+    # Four letters, then EOS at the first step allowed (in token_ids): the boundary is hit,
+    # so a min_tokens count off by one there would differ from the synchronous run.
+    assert min(lengths) == 5, lengths
 
 
 def test_preemption_and_swap_with_every_row_constrained(byte_llama):
