@@ -9,11 +9,11 @@ each step every row's mask is filled (Sampler.token_mask: the fill, its row inde
 launch) and each row takes a token its mask allows, drawn uniformly (the argmax of iid random
 logits under the mask), then the matchers consume them (StructuredBackend.accept). A request
 leaves at its max_tokens (100..400) or when its grammar is done, and a new one takes its row,
-so lexer states are met for the first time throughout, as in a served batch. Between a step's
-accept and the next token_mask the engine's own work (outputs, stop strings, scheduling) is
-stood in for by --engine-ms of sleep, beside which the next masks fill ahead (the prefetch).
-Prints per step the mean ms of token_mask (the engine waits on it: the prefetch's remainder
-plus masks filled now), of the fills (ahead or now), and of consume (accept).
+so lexer states are met for the first time throughout, as in a served batch. accept also
+fills the next masks ahead (StructuredBackend.fill_ahead); the engine's own work between a
+step's accept and the next token_mask (outputs, stop strings, scheduling) is stood in for by
+--engine-ms of sleep. Prints per step the mean ms of token_mask (masks not filled ahead, and
+the copy's launch), of every fill (ahead or now), and of consume (accept, its fill included).
 --lanes 1: every request of one schema on one lexer (llguidance's copies of a matcher share
 its lexer and its lock), as before lanes.
 """
@@ -91,7 +91,7 @@ def run(backend, sampler, eos: int, rows: int, steps: int, mode: str, engine_s: 
         fill(*a, **k)
         filled_now.append(time.perf_counter() - started)
 
-    backend.fill = timed_fill  # masks() filling what the prefetch did not
+    backend.fill = timed_fill  # fills ahead (in accept) and in masks()
     for _ in range(steps):
         t0 = time.perf_counter()
         mask = sampler.token_mask(batch)
@@ -109,7 +109,7 @@ def run(backend, sampler, eos: int, rows: int, steps: int, mode: str, engine_s: 
         time.sleep(engine_s)
     result = {k: 1e3 * statistics.fmean(v) for k, v in times.items()}
     backend.fill = fill
-    result["fill"] = 1e3 * (backend.stats.prefetch_seconds + sum(filled_now)) / steps
+    result["fill"] = 1e3 * sum(filled_now) / steps
     result["requests"] = served
     return result
 

@@ -192,7 +192,7 @@ class Sampler:
     def token_mask(self, seqs: list[Sequence]) -> TokenMask | None:
         """The allowed tokens of the rows whose sequence has a grammar, on the logits' device;
         None when no row has one. Most were filled on the host while the engine finished the
-        previous step (StructuredBackend.prefetch); the rest are filled now, while the device
+        previous step (StructuredBackend.fill_ahead); the rest are filled now, while the device
         runs this step's forward pass. A sequence that finished while the step was in flight
         drops its row's token: its row is left unmasked, its matcher unread."""
         matched = [(s.matcher, i) for i, s in enumerate(seqs)
@@ -207,7 +207,7 @@ class Sampler:
             rows[i] = k
         index = pinned(torch.tensor(rows, dtype=torch.int32))
         words, index = self._copy_masks(host, index)
-        # The next prefetch writes the host rows again once this copy has read them.
+        # The next fill writes the host rows again once this copy has read them.
         self.structured.stage_read = self._masks_copied if gpu else None
         self.structured.stats.add_mask_time(started)
         return TokenMask(words, index)

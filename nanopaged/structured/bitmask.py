@@ -39,8 +39,7 @@ class BitmaskFiller:
 
     def fill(self, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: torch.Tensor) -> None:
         """Write each (matcher, row)'s allowed tokens into bitmask[row]; other rows are left
-        as they are. bitmask: CPU int32 [num_rows, num_words], contiguous. The caller settled
-        the matchers (GrammarMatcher.settle), or is the prefetch they wait for."""
+        as they are. bitmask: CPU int32 [num_rows, num_words], contiguous."""
         assert bitmask.dtype == torch.int32, bitmask.dtype  # a host tensor
         assert bitmask.dim() == 2 and bitmask.shape[1] == self.num_words, bitmask.shape
         assert bitmask.is_contiguous()
@@ -60,7 +59,7 @@ class BitmaskFiller:
     def accept_one(self, rows: Sequence[tuple[GrammarMatcher, int]]) -> list[bool]:
         """Advance each (matcher, token)'s matcher past its token, in parallel; per row False
         when the token broke the grammar (see GrammarMatcher.accept). One row per matcher,
-        each settled and its version moved on by the caller."""
+        each with its version moved on by the caller."""
         if not rows:
             return []
         assert len({id(m) for m, _ in rows}) == len(rows), "a matcher twice"

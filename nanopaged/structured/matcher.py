@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-
 import torch
 
 from nanopaged.structured._llguidance import llguidance
@@ -17,10 +15,6 @@ class GrammarMatcher:
     (is_terminated) EOS is the only token allowed. A matcher in an error state (a grammar
     past llguidance's limits, a token the mask did not allow) allows only EOS, so its
     sequence ends.
-
-    Its next mask may be filling on StructuredBackend's prefetch thread (busy): every method
-    that reads or moves the llguidance matcher waits for that fill first (settle), since
-    llguidance's objects take one caller at a time.
     """
 
     def __init__(self, matcher: llguidance.LLMatcher, num_words: int, lexer: int = 0) -> None:
@@ -31,23 +25,6 @@ class GrammarMatcher:
         self.lexer = lexer
         # Bumped by every accept and rollback: a mask filled at another version is stale.
         self.version = 0
-        self.busy: Future | None = None  # the prefetch filling this matcher's next mask
-        self._stopped: bool | None = None  # is_stopped(), read before a prefetch started
-
-    def settle(self) -> llguidance.LLMatcher:
-        """The llguidance matcher, once no prefetch is filling its mask."""
-        if self.busy is not None:
-            self.busy.result()
-            self.busy = None
-        return self._matcher
-
-    def note_stopped(self) -> None:
-        """Keep is_terminated()'s answer now, for reads while a prefetch fills the mask."""
-        self._stopped = self.settle().is_stopped()
-
-    def _moved(self) -> None:
-        self.version += 1
-        self._stopped = None
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into bitmask[row] (CPU int32 [rows, num_words]; bit
@@ -57,47 +34,45 @@ class GrammarMatcher:
         assert 0 <= row < bitmask.shape[0], (row, bitmask.shape)
         target = bitmask[row]
         assert target.is_contiguous()
-        self.settle().unsafe_compute_mask_ptr(target.data_ptr(), 4 * self.num_words)
+        self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), 4 * self.num_words)
 
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token. False: the token broke the grammar and the matcher is
         in its error state for good (see error)."""
-        matcher = self.settle()
-        self._moved()
+        matcher = self._matcher
+        self.version += 1
         return matcher.consume_token(token_id)
 
     def accept_many(self, token_ids: list[int]) -> bool:
         """accept() for each token in order; False as soon as one breaks the grammar."""
-        matcher = self.settle()
-        self._moved()
+        matcher = self._matcher
+        self.version += 1
         return matcher.consume_tokens(token_ids)
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last num_tokens accepted tokens (rejected speculative tokens)."""
         assert num_tokens >= 0, num_tokens
-        matcher = self.settle()
-        self._moved()
+        matcher = self._matcher
+        self.version += 1
         ok = matcher.rollback(num_tokens)
         assert ok, matcher.get_error()
 
     def is_terminated(self) -> bool:
         """True when nothing but EOS may follow (the grammar is complete, or in error)."""
-        if self._stopped is not None:
-            return self._stopped
-        return self.settle().is_stopped()
+        return self._matcher.is_stopped()
 
     def is_accepting(self) -> bool:
         """True when the output so far is a whole match (EOS is allowed now)."""
-        return self.settle().is_accepting()
+        return self._matcher.is_accepting()
 
     @property
     def error(self) -> str | None:
         """Why the matcher is in its error state; None while it is not."""
-        matcher = self.settle()
+        matcher = self._matcher
         return matcher.get_error() if matcher.is_error() else None
 
     def copy(self) -> GrammarMatcher:
         """An independent matcher at the same place (a forked sample, a beam)."""
-        return GrammarMatcher(self.settle().deep_copy(), self.num_words, self.lexer)
+        return GrammarMatcher(self._matcher.deep_copy(), self.num_words, self.lexer)
 
     fork = copy

@@ -19,7 +19,7 @@ class StructuredStats:
     mask_steps: int = 0
     mask_seconds: float = 0.0
     # Host seconds advancing matchers past sampled tokens (StructuredBackend.accept), and
-    # seconds of mask fills run ahead on the prefetch thread (beside the engine's work).
+    # filling their next masks right after (fill_ahead).
     accept_seconds: float = 0.0
     prefetch_seconds: float = 0.0
     # time.perf_counter() at the first mask filled since the last reset (None: none yet).
@@ -46,7 +46,7 @@ class StructuredStats:
     def summary(self) -> dict:
         """The counters as figures: compiles (count, mean, max, sum of their wall seconds),
         the engine's blocked wait, and per step that filled masks the mean mask time, time
-        advancing matchers, and prefetch time (run ahead, beside the engine)."""
+        advancing matchers, and filling masks ahead (prefetch)."""
         compiles = self.compile_seconds
         return dict(
             compiles=len(compiles),
