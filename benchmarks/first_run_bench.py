@@ -32,7 +32,7 @@ def _timed_run(llm, prompts, outputs) -> dict:
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=m) for m in outputs]
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    with new_kernel_variants() as variants:
+    with new_kernel_variants(detail=True) as variants:
         started = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         if torch.cuda.is_available():
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     for label, run in zip(("first", "second"), runs):
         print(f"{label:6s} generate: {run['seconds']:.3f} s, {run['tok_per_s']:.0f} tok/s; "
               f"kernel variants first launched: {len(run['kernel_variants'])} "
-              f"{run['kernel_variants']}")
+              f"{run['kernel_variants']}", flush=True)
     print(f"first / second: {result['ratio']:.3f} (target <= 1.05)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -174,11 +174,40 @@ class ModelRunner:
             self.graphs.capture()
         if self.tp.rank == 0:
             self.sampler.warm_up(self.dtype)
+        if self.platform.gpu:
+            self._compile_prefill()
         if self.num_blocks > 1:
             # The copy-on-write kernel (the first fork of n > 1 or a beam would compile it
             # mid-run): block 0 onto block 1, before any block holds a token.
             copy_block_pairs(self.kv_cache, [(0, 1)])
         synchronize(self.device)
+
+    def _compile_prefill(self) -> None:
+        """Run eager forward passes over dummy prompts, so the prefill kernel's variants are
+        compiled now (a fresh machine's first generate compiled three of them and took 1.18x
+        the second): fresh prompts, chunks after a cached prefix and a mixed step's decode
+        row, at both of prefill_config's tiles (queries up to 512 tokens, and longer). Every
+        rank runs the same passes; the blocks they wrote are zeroed after."""
+        # (query tokens, cached tokens) of each sequence
+        cases = [([5, 17], [0, 0]), ([1, 17], [40, 30]), ([520], [0]), ([520], [16])]
+        first_pass, self.first_kv_pass = self.first_kv_pass, None  # an 8-bit cache's scales
+        used, none = set(), np.zeros(0, dtype=np.int64)
+        for q_lens, cached in cases:
+            longest = max(q + c for q, c in zip(q_lens, cached))
+            if longest > self.max_model_len or sum(q_lens) > self.config.max_num_batched_tokens:
+                continue  # a step this engine never runs
+            width = -(-longest // self.block_size)
+            tables = np.arange(len(q_lens) * width, dtype=np.int32).reshape(len(q_lens), width)
+            tables %= self.num_blocks
+            used.update(tables.ravel().tolist())
+            host = host_arrays(q_lens, cached, tables, self.block_size)
+            ids = np.zeros(len(host["positions"]), dtype=np.int64)
+            step = StepInputs(input_ids=ids, **host, logits_indices=none, blocks_to_swap_out=[],
+                              blocks_to_swap_in=[], blocks_to_copy=[], pending_dst=none,
+                              pending_src=none)  # fmt: skip
+            self._forward_eager(step, None)
+        self.first_kv_pass = first_pass
+        self.kv_cache.index_fill_(2, torch.tensor(sorted(used), device=self.device), 0)
 
     def release_graphs(self) -> None:
         """Drop the captured decode graphs once the device is idle; under tensor parallelism

@@ -203,3 +203,24 @@ def test_penalties_run_ahead(model_dir):
     # (7 requests, one of them n=2), every later step added only its newest token.
     counts = llm.runner.sampler.penalty_counts
     assert counts is not None and counts.num_rebuilt <= 8, counts.num_rebuilt
+
+
+def test_start_up_prefill_passes_change_nothing(model_dir):
+    """The dummy prefill passes a GPU engine runs at start-up (ModelRunner._compile_prefill,
+    run here on the CPU path, where start-up skips them) leave every block zeroed, and the
+    engine's outputs equal HF's after them: short, mixed, long and prefix cases alike."""
+    prompts = _prompts(6, seed=3)
+    expected = hf_greedy(model_dir, prompts, 12)
+    llm = LLM(str(model_dir), kv_cache_memory=1 << 22, device="cpu", dtype="float32",
+              max_model_len=1024)  # fmt: skip
+    runner = llm.llm_engine.runner
+    forwards = []
+    forward = runner._forward_eager
+    runner._forward_eager = lambda step, pending: forwards.append(step) or forward(step, pending)
+    runner._compile_prefill()
+    assert [list(s.cu_seqlens_q) for s in forwards] == [[0, 5, 22], [0, 1, 18], [0, 520],
+                                                        [0, 520]]  # fmt: skip
+    assert int(runner.kv_cache.count_nonzero()) == 0
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)  # fmt: skip
+    assert [o.outputs[0].token_ids for o in outs] == expected

@@ -201,3 +201,20 @@ def test_dropped_llm_frees_its_gpu_memory_without_the_collector(qwen3):
         assert torch.cuda.memory_allocated() - base < 1 << 24
     finally:
         gc.enable()
+
+
+def test_start_up_compiles_the_prefill_variants_and_leaves_the_cache_zeroed(qwen3):
+    """The dummy prefill passes at start-up (ModelRunner._compile_prefill) leave no K/V
+    behind, and a workload of short, long, chunked and prefix-cached prompts then launches
+    no prefill kernel variant for the first time."""
+    import bench
+
+    llm = LLM(str(qwen3), dtype="bfloat16", device="cuda", kv_cache_memory=1 << 28,
+              max_model_len=2048, max_num_batched_tokens=1024)  # fmt: skip
+    assert int(llm.runner.kv_cache.count_nonzero()) == 0
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1024) for _ in range(n)] for n in (3, 40, 300, 700, 1500)]
+    prompts.append(prompts[3][:600] + [5, 6, 7])  # a cached prefix, then its own chunk
+    with bench.new_kernel_variants() as variants:
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert "_paged_prefill_kernel" not in variants, variants
