@@ -126,8 +126,8 @@ class Sampler:
         matcher past the previous step's token, which may still be on the device while this
         step's forward pass is queued (asynchronous scheduling). The engine runs the sampler
         once the matchers took it (StepHandle.sampled). On the device path all that reads the
-        sequences runs now (settings, penalties, min_tokens masks): the engine may advance
-        them to the next step before it samples this one."""
+        sequences' token counts runs now (_on_device): the engine may advance them to the
+        next step before it samples this one."""
         if drafts is not None:
             return self.sample_drafts(logits, seqs, rows, drafts, eos_token_ids)
         if not rows.constrained:
@@ -138,8 +138,8 @@ class Sampler:
                 lambda: self._sample(logits, seqs, rows, pending, eos_token_ids)
             )
         else:
-            handle = StepHandle.deferred(self._masked(logits, seqs, rows, pending,
-                                                      eos_token_ids))  # fmt: skip
+            sampler = self._on_device(logits, seqs, rows, pending, eos_token_ids)
+            handle = StepHandle.deferred(lambda: self._finish(sampler(), seqs, rows))
         handle.run_ahead = rows.run_ahead
         return handle
 
@@ -159,6 +159,11 @@ class Sampler:
                                              sampled_logits=logits.sampled_logits)  # fmt: skip
         else:
             handle = self._sample_logits(logits, seqs, rows, pending, eos_token_ids)
+        return self._finish(handle, seqs, rows)
+
+    @staticmethod
+    def _finish(handle: StepHandle, seqs: list[Sequence], rows: StepRows) -> StepHandle:
+        """handle, told its rows' sequences and whether the next step may run ahead of it."""
         handle.seqs = seqs
         handle.run_ahead = handle.plain and rows.run_ahead
         return handle
@@ -241,15 +246,12 @@ class Sampler:
         pending: torch.Tensor | None,
         eos_token_ids: set[int],
     ) -> StepHandle:
-        mask = self.token_mask(seqs) if rows.constrained else None
         if rows.host:
+            mask = self.token_mask(seqs) if rows.constrained else None
             counts = self._penalty_counts(logits) if rows.penalties else None
             outputs = sample_sequences(logits.float(), seqs, eos_token_ids, pending, counts, mask)
             return StepHandle.of_outputs(outputs)
-        logits, st = self._prepared(logits, seqs, rows, pending)
-        if rows.early:
-            mask_early_stops(logits, seqs, eos_token_ids)
-        return self._draw(logits, st, rows, mask)
+        return self._on_device(logits, seqs, rows, pending, eos_token_ids)()
 
     def _penalty_counts(self, logits: torch.Tensor) -> PenaltyCounts:
         """The penalized sequences' token counts on the device (made on first use)."""
@@ -257,22 +259,7 @@ class Sampler:
             self.penalty_counts = PenaltyCounts(logits.shape[-1], logits.device)
         return self.penalty_counts
 
-    def _prepared(
-        self,
-        logits: torch.Tensor,
-        seqs: list[Sequence],
-        rows: StepRows,
-        pending: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, SamplingTensors]:
-        """The device path's logits after penalties, and its settings (queued now: they read
-        the sequences' token counts)."""
-        if rows.penalties:
-            # Penalized rows stay plain (asynchronous): their counts take a pending token
-            # from the previous step's samples on the device.
-            logits = penalize(logits.float(), seqs, pending, self._penalty_counts(logits))
-        return logits, self.settings(seqs)
-
-    def _masked(
+    def _on_device(
         self,
         logits: torch.Tensor,
         seqs: list[Sequence],
@@ -280,20 +267,23 @@ class Sampler:
         pending: torch.Tensor | None,
         eos_token_ids: set[int],
     ) -> Callable[[], StepHandle]:
-        """A device-path step with grammar rows: its settings now, its masks and draws when
-        the returned function runs (StepHandle.deferred). min_tokens yields to a finished
-        grammar, so its mask is decided then, from the output counts of now."""
-        logits, st = self._prepared(logits, seqs, rows, pending)
-        outputs = [s.num_output_tokens for s in seqs]
+        """The device path: what reads the sequences' token counts now (penalties, settings,
+        the output counts min_tokens compares), the masks and draws when the returned
+        function runs: at once, or for grammar rows once their matchers moved on
+        (StepHandle.deferred), since a finished grammar lifts min_tokens' mask."""
+        if rows.penalties:
+            # Penalized rows stay plain (asynchronous): their counts take a pending token
+            # from the previous step's samples on the device.
+            logits = penalize(logits.float(), seqs, pending, self._penalty_counts(logits))
+        st = self.settings(seqs)
+        outputs = [s.num_output_tokens for s in seqs] if rows.early else None
 
         @torch.inference_mode()
         def draw() -> StepHandle:
             if rows.early:
                 mask_early_stops(logits, seqs, eos_token_ids, outputs)
-            handle = self._draw(logits, st, rows, self.token_mask(seqs))
-            handle.seqs = seqs
-            handle.run_ahead = rows.run_ahead
-            return handle
+            mask = self.token_mask(seqs) if rows.constrained else None
+            return self._draw(logits, st, rows, mask)
 
         return draw
 
