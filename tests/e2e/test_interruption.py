@@ -270,17 +270,17 @@ def test_collector_paused_while_generating(model_dir, monkeypatch):
     llm = _llm(model_dir)
     monkeypatch.setattr(llm_engine, "GC_YOUNG_EVERY", 2)
     seen, generations = [], []
-    launch = model_runner.ModelRunner.launch
+    submit = model_runner.ModelRunner.submit
 
     def watched(self, *args, **kwargs):
         seen.append(gc.isenabled())
-        return launch(self, *args, **kwargs)
+        return submit(self, *args, **kwargs)
 
     def note(phase, info):
         if phase == "start":
             generations.append(info["generation"])
 
-    monkeypatch.setattr(model_runner.ModelRunner, "launch", watched)
+    monkeypatch.setattr(model_runner.ModelRunner, "submit", watched)
     gc.callbacks.append(note)
     try:
         llm.generate(PROMPTS, PARAMS, use_tqdm=False)

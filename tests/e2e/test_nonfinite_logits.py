@@ -203,11 +203,11 @@ def _record_steps(llm: LLM, monkeypatch) -> tuple[list, list]:
     """From now on: every launched step's (handle, the step it was launched on top of), and
     every read of a step's samples (handle, the exception it raised or None)."""
     launched, read = [], []
-    real_launch = llm.runner.launch
+    real_submit = llm.runner.submit
     real_result = output.StepHandle.result
 
-    def launch(batch, eos, prev=None):
-        handle = real_launch(batch, eos, prev)
+    def submit(prepared, eos, prev=None):
+        handle = real_submit(prepared, eos, prev)
         launched.append((handle, prev))
         return handle
 
@@ -220,7 +220,7 @@ def _record_steps(llm: LLM, monkeypatch) -> tuple[list, list]:
         read.append((handle, None))
         return out
 
-    monkeypatch.setattr(llm.runner, "launch", launch)
+    monkeypatch.setattr(llm.runner, "submit", submit)
     monkeypatch.setattr(output.StepHandle, "result", result)
     return launched, read
 
