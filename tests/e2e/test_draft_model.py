@@ -200,8 +200,8 @@ def truncated_copy(src, dst, num_layers: int):
 
 
 @smollm2
-def test_smollm2_with_a_truncated_draft(tmp_path, monkeypatch):
-    monkeypatch.setenv("NANOPAGED_CACHE", str(tmp_path / "cache"))
+def test_smollm2_with_a_truncated_draft(smollm2_cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOPAGED_CACHE", str(smollm2_cache))
     base = LLM(dtype="float32", device="cpu")
     draft = truncated_copy(base.llm_engine.model_dir, tmp_path / "draft", DRAFT_LAYERS)
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": K}

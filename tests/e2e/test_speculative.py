@@ -308,10 +308,10 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory):
+def smol(smollm2_cache):
     """(an LLM without speculation, one with) over the embedded SmolLM2, fp32 on the CPU."""
     mp = pytest.MonkeyPatch()
-    mp.setenv("NANOPAGED_CACHE", str(tmp_path_factory.mktemp("smol-cache")))
+    mp.setenv("NANOPAGED_CACHE", str(smollm2_cache))
     spec = {**NGRAM, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     try:
         yield (LLM(dtype="float32", device="cpu"),

@@ -115,9 +115,9 @@ def _ask(what: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def llm(smollm2_cache):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOPAGED_CACHE", str(tmp_path_factory.mktemp("cache")))
+        mp.setenv("NANOPAGED_CACHE", str(smollm2_cache))
         yield LLM(dtype="float32", device="cpu", seed=0)
 
 

@@ -195,6 +195,10 @@ NO_PREFIX_SPEC, NO_PREFIX_BAD = [(0, 7), (0, 9), (0, 20), (0, 3), (0, 1)], (1, 3
 MIXED_SPEC, MIXED_BAD = [(40, 1), (3, 1), (0, 1), (0, 20), (0, 9), (17, 9), (5, 0)], (1, 4)
 # (block_size, group, dtype, fill) for 16/32-bit caches
 CASES = list(itertools.product([8, 16], [1, 4], [HALF, f32], [NAN, INF]))
+# The prefill runs (the slow ones under the interpreter) take half of CASES, those with an even
+# count of second values: every (block_size, group, dtype) still runs, once, and any two
+# parameters still meet in all four pairs of their values.
+PREFILL_CASES = [c for i, c in enumerate(CASES) if bin(i).count("1") % 2 == 0]
 # (kv_dtype, dtype, fill, block_size, group): e4m3 has no inf (inf saturates to 448)
 FP8_CASES = [(E4M3, HALF, NAN, 8, 4), (E4M3, f32, NAN, 16, 1), (E5M2, HALF, INF, 16, 1)]
 
@@ -239,7 +243,7 @@ def test_decode_fp8(kv_dtype, dtype, fill, block_size, group):
     check_decode(block_size, group, dtype, kv_dtype, fill)
 
 
-@pytest.mark.parametrize("block_size,group,dtype,fill", CASES, ids=name)
+@pytest.mark.parametrize("block_size,group,dtype,fill", PREFILL_CASES, ids=name)
 def test_prefill(block_size, group, dtype, fill):
     check_prefill(prefill_spec(block_size), PREFILL_BAD, block_size, group, dtype, dtype, fill)
 

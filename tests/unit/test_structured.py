@@ -28,13 +28,8 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer():
-    import transformers
-
-    from nanopaged.gguf import embedded_gguf
-
-    gguf = embedded_gguf()
-    return transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+def hf_tokenizer(smollm2_hf_tokenizer):
+    return smollm2_hf_tokenizer
 
 
 @pytest.fixture(scope="module")
