@@ -469,11 +469,11 @@ class LLMEngine:
             and seq.num_computed_tokens == len(seq) - 1
         )
         ahead = self.may_run_ahead(batch, handle)
-        if not ahead:
+        if not ahead:  # a deferred sampler reads its sequences as they are now
             handle = handle.sampled()
         self.scheduler.advance(batch)
         if ahead:  # plan and launch the next step while this one runs on the device
-            self._in_flight = self._launch(prev=handle)
+            self._in_flight = self._launch(prev=handle)  # it samples this one in between
         handle = handle.sampled()
         step = self.scheduler.commit(
             batch, handle.result(), handle.logprobs(), handle.prompt_logprobs()
