@@ -294,11 +294,11 @@ def test_plain_rows_drawn_in_chunks(dtype, vocab, block, num_logprobs, logprobs)
     filters = settings_tensors(settings)
     seeds, offsets = keys(rows)
 
-    def chunked(offsets=offsets, min_p=True):
+    def chunked(logits, filters, seeds, offsets, min_p=True):
         return sample_fused(logits, *filters, seeds, offsets, num_logprobs, block=block,
                             logprobs=logprobs, plain=True, min_p=min_p)  # fmt: skip
 
-    got = chunked()
+    got = chunked(logits, filters, seeds, offsets)
     full = sample_fused(logits, *filters, seeds, offsets, num_logprobs, block=block)
     ref = sample_ref(logits, *filters, seeds, offsets, num_logprobs)
     assert torch.equal(got.token_ids, full.token_ids)
@@ -317,25 +317,30 @@ def test_plain_rows_drawn_in_chunks(dtype, vocab, block, num_logprobs, logprobs)
         torch.testing.assert_close(got.top_logprobs[finite], ref.top_logprobs[finite])
     if num_logprobs or logprobs:
         return  # the draws below do not depend on logprobs
+    # The draws below take only the rows they check, still strided (a row's draw depends on its
+    # own logits, settings, seed and offset): the two greedy rows, a sampled one, the min-p rows.
+    keep = [0, len(PLAIN) - 1, 1, len(PLAIN) + 1, cut_row]
+    sub = (wide[keep][:, :vocab], tuple(f[keep] for f in filters), seeds[keep])
+    r, cut = 3, 4  # the min-p rows' places in `keep`
     # min-p cuts: the rows with it never draw a token under its cut, and without the cut
     # (min_p=False: the caller said no row has min-p) they would have.
-    x = logits.float() / filters[0].clamp(min=1e-6)[:, None]
-    draws = torch.stack([chunked(offsets + i).token_ids for i in range(8)])
-    r = len(PLAIN) + 1
-    assert (x[r][draws[:, r]] >= x[r].max() + torch.log(filters[3][r]) - 1e-5).all()
-    assert (draws[:, cut_row] == 5).all()
-    uncut = torch.stack([chunked(offsets + i, min_p=False).token_ids for i in range(8)])
-    assert (uncut[:, cut_row] != 5).any()
+    x = sub[0].float() / sub[1][0].clamp(min=1e-6)[:, None]
+    draws = torch.stack([chunked(*sub, offsets[keep] + i).token_ids for i in range(8)])
+    assert (x[r][draws[:, r]] >= x[r].max() + torch.log(sub[1][3][r]) - 1e-5).all()
+    assert (draws[:, cut] == 5).all()
+    uncut = torch.stack([chunked(*sub, offsets[keep] + i, min_p=False).token_ids
+                         for i in range(8)])  # fmt: skip
+    assert (uncut[:, cut] != 5).any()
     # The noise moves the draws: over a few output positions a sampled row takes several
     # tokens, a greedy row one.
     distinct = torch.tensor([len(set(col.tolist())) for col in draws.T])
-    assert distinct[0] == distinct[len(PLAIN) - 1] == 1 and distinct.max() > 1
+    assert distinct[0] == distinct[1] == 1 and distinct.max() > 1
 
 
 @pytest.mark.parametrize(
     "dtype,vocab,block,frontier,logprobs",
-    [(f32, 500, 64, (16, 32), False), (bf16, 500, 64, (16, 32), True),
-     (bf16, 500, 64, (2, 3), False), (f32, 500, 64, (1, 1), True),
+    [(f32, 200, 64, (16, 32), False), (bf16, 200, 64, (16, 32), True),
+     (bf16, 200, 64, (2, 3), False), (f32, 200, 64, (1, 1), True),
      (f32, 45, 128, (16, 32), False)],
 )  # fmt: skip
 def test_top_p_rows_drawn_in_chunks(dtype, vocab, block, frontier, logprobs):
