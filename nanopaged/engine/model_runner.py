@@ -190,7 +190,6 @@ class ModelRunner:
         rank runs the same passes; the blocks they wrote are zeroed after."""
         # (query tokens, cached tokens) of each sequence
         cases = [([5, 17], [0, 0]), ([1, 17], [40, 30]), ([520], [0]), ([520], [16])]
-        first_pass, self.first_kv_pass = self.first_kv_pass, None  # an 8-bit cache's scales
         used, none = set(), np.zeros(0, dtype=np.int64)
         for q_lens, cached in cases:
             longest = max(q + c for q, c in zip(q_lens, cached))
@@ -206,8 +205,9 @@ class ModelRunner:
                               blocks_to_swap_in=[], blocks_to_copy=[], pending_dst=none,
                               pending_src=none)  # fmt: skip
             self._forward_eager(step, None)
-        self.first_kv_pass = first_pass
-        self.kv_cache.index_fill_(2, torch.tensor(sorted(used), device=self.device), 0)
+        if used:
+            ids = torch.tensor(sorted(used), dtype=torch.long, device=self.device)
+            self.kv_cache.index_fill_(2, ids, 0)
 
     def release_graphs(self) -> None:
         """Drop the captured decode graphs once the device is idle; under tensor parallelism
