@@ -206,7 +206,9 @@ def test_dropped_llm_frees_its_gpu_memory_without_the_collector(qwen3):
 def test_start_up_compiles_the_prefill_variants_and_leaves_the_cache_zeroed(qwen3):
     """The dummy prefill passes at start-up (ModelRunner._compile_prefill) leave no K/V
     behind, and a workload of short, long, chunked and prefix-cached prompts then launches
-    no prefill kernel variant for the first time."""
+    no prefill kernel variant for the first time (a proof only where this process had not
+    launched them before: run this test alone; tests/e2e/test_async_scheduling.py checks on
+    the CPU that the passes run)."""
     import bench
 
     llm = LLM(str(qwen3), dtype="bfloat16", device="cuda", kv_cache_memory=1 << 28,
