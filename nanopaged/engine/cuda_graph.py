@@ -125,11 +125,12 @@ class DecodeGraphs:
         tables: np.ndarray,
         context_lens: np.ndarray,
         pending: tuple[torch.Tensor | None, torch.Tensor] | None = None,
-        sampling: SamplingTensors | None = None,
+        sampling: Callable[[], SamplingTensors] | None = None,
     ) -> torch.Tensor | DeviceSamples:
         """One decode step for len(input_ids) sequences; returns hidden [batch, hidden_size],
-        or with sampling (settings in self.slots, as sampling_tensors(into=self.slots) wrote
-        them) the samples: token ids [batch] int64 and their logits [batch] fp32.
+        or with sampling (called once the forward pass is queued; it writes the settings into
+        self.slots, as sampling_tensors(into=self.slots) does, and returns them) the samples:
+        token ids [batch] int64 and their logits [batch] fp32.
 
         pending: (rows, token ids) already on the device that overwrite those input ids; rows
         None: the token ids are all of them, in order.
@@ -147,8 +148,9 @@ class DecodeGraphs:
         self.graphs[bucket].replay()
         if sampling is None:
             return self.hidden[:bs]
-        assert sampling.temperatures.data_ptr() == self.slots.values.data_ptr()
-        path = sampler_path(sampling)
+        settings = sampling()
+        assert settings.temperatures.data_ptr() == self.slots.values.data_ptr()
+        path = sampler_path(settings)
         self.samplers[bucket, path].replay()
         self.sampled_steps[path] += 1
         # The tokens are a copy: the next replay overwrites the buffer, and the step's tokens

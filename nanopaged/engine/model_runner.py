@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 from pathlib import Path
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -291,9 +292,11 @@ class ModelRunner:
     def _graph_sampling(
         self, step: StepInputs, seqs: list[Sequence], rows: StepRows,
         drafts: list[list[int]] | None = None,
-    ) -> SamplingTensors | None:  # fmt: skip
-        """The settings to sample the step inside its decode graph, or None when it samples
-        outside. Inside: a graph-replayed decode step whose rows are graph_safe (StepRows), on
+    ) -> Callable[[], SamplingTensors] | None:  # fmt: skip
+        """What writes the settings to sample the step inside its decode graph (called once the
+        forward pass is queued: the device starts while the host writes them), or None when
+        it samples outside. Inside: a graph-replayed decode step whose rows are graph_safe
+        (StepRows), on
         one GPU, every row sampling in order, and no prompt row scored (its hidden state must
         leave the graph). A step with drafts (its rows one-token rows, as_decode_rows) draws
         at every verified position there: its drafts are one-hot, so those draws are all that
@@ -309,8 +312,8 @@ class ModelRunner:
         if not is_arange(step.logits_indices, num_rows):
             return None
         if drafts:
-            return self.sampler.draft_settings(seqs, drafts, graphs.slots)
-        return self.sampler.settings(seqs, graphs.slots)
+            return lambda: self.sampler.draft_settings(seqs, drafts, graphs.slots)
+        return lambda: self.sampler.settings(seqs, graphs.slots)
 
     def run(
         self, batch: ScheduledBatch, eos_token_ids: set[int]
@@ -367,8 +370,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, step: StepInputs, prev: StepHandle | None, sampling: SamplingTensors | None = None
-    ) -> tuple[torch.Tensor | DeviceSamples | None, PromptScores | None]:
+        self, step: StepInputs, prev: StepHandle | None,
+        sampling: Callable[[], SamplingTensors] | None = None,
+    ) -> tuple[torch.Tensor | DeviceSamples | None, PromptScores | None]:  # fmt: skip
         """Block ops and the forward pass of one step, then its prompt rows scored (every rank
         takes part). On rank 0: its logits rows to sample ([rows, vocab] in the model's dtype:
         the sampler reads them as they are, and bf16/fp16 -> fp32 is exact), or the rows'

@@ -30,7 +30,8 @@ SLOTS = 8
 
 def _in_graph(runner, step, seqs):
     """The runner's decision for step, with its rows classified as launch classifies them."""
-    return runner._graph_sampling(step, seqs, StepRows.of(seqs))
+    settings = runner._graph_sampling(step, seqs, StepRows.of(seqs))
+    return None if settings is None else settings()
 
 
 @pytest.mark.parametrize("path", SAMPLER_PATHS)
@@ -210,7 +211,7 @@ def test_steps_with_drafts_draw_at_every_verified_position(runner, graphs):
     seqs[1].seed = 456
     drafts = [[7, 8], []]
     rows = StepRows.of(seqs, speculating=True)
-    st = runner._graph_sampling(_decode_step(4), seqs, rows, drafts)
+    st = runner._graph_sampling(_decode_step(4), seqs, rows, drafts)()
     assert st is not None and st.temperatures.data_ptr() == graphs.slots.values.data_ptr()
     assert graphs.slots.values[0, :4].tolist() == pytest.approx([0.8, 0.8, 0.8, 0.5])
     assert graphs.slots.ints[2, :4].tolist() == [1, 2, 3, 1]  # output positions
@@ -218,7 +219,7 @@ def test_steps_with_drafts_draw_at_every_verified_position(runner, graphs):
     assert seed[0] == seed[1] == seed[2] != seed[3]
     for seq, new in zip(seqs, (3, 1)):  # row 0 took both drafts and a bonus token
         seq.token_ids += [5] * new
-    again = runner._graph_sampling(_decode_step(4), seqs, rows, drafts)
+    again = runner._graph_sampling(_decode_step(4), seqs, rows, drafts)()
     assert again is st and graphs.slots.ints[2, :4].tolist() == [4, 5, 6, 2]
     # Rows and positions disagree (the step did not run as one-token rows): outside.
     assert runner._graph_sampling(_decode_step(2), seqs, rows, drafts) is None
