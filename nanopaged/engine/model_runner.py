@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import gc
 import weakref
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
