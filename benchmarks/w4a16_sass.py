@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -53,14 +54,17 @@ class Recorder:
         return lambda *args, **kwargs: self.launches.append((self.fn, grid, args, kwargs))
 
 
-def record_launches(m: int, n: int, k: int, kind: str) -> list:
+def record_launches(m: int, n: int, k: int, kind: str, config=None) -> list:
     """The kernel launches w4a16_gemm makes for x [m, k] and this [k, n] weight (CPU tensors)."""
     qweight = torch.zeros(k // 8, n, dtype=torch.int32)
     scales = torch.zeros(k // GROUP, n, dtype=torch.float16)
     qzeros = torch.zeros(k // GROUP, n // 8, dtype=torch.int32) if kind == "awq" else None
     w = Int4Weight(qweight, scales, qzeros, GROUP, None, 0 if kind == "awq" else 1)
     x = torch.zeros(m, k, dtype=torch.bfloat16)
-    config = mod.default_config(m, n, k, GROUP, num_sms=132)
+    config = config or mod.default_config(m, n, k, GROUP, num_sms=132)
+    if config.split_k == 0:  # the launcher's own split, as default_config makes it
+        tiles = -(-m // config.block_m) * -(-n // config.block_n)
+        config = replace(config, split_k=mod.auto_split(tiles, k, config.block_k, 132))
     launches: list = []
     names = [name for name in dir(mod) if name.endswith("_kernel")]
     saved = {name: getattr(mod, name) for name in names}
@@ -146,9 +150,9 @@ def opcode(line: str) -> str:
     return body.split()[0].split(".")[0].rstrip(";")
 
 
-def count(m: int, n: int, k: int, kind: str, dump: Path | None, cache: dict) -> dict:
-    """The main kernel's loop count for one shape and row count."""
-    config, fn, grid, args, kwargs = record_launches(m, n, k, kind)[0]
+def count(m: int, n: int, k: int, kind: str, dump: Path | None, cache: dict, config=None) -> dict:
+    """The main kernel's loop count for one shape and row count (config: default_config's)."""
+    config, fn, grid, args, kwargs = record_launches(m, n, k, kind, config)[0]
     key = (fn.__name__, tuple(sorted((a, str(v)) for a, v in kwargs.items())),
            tuple(native_key(a) for a in args))  # fmt: skip
     if key not in cache:
@@ -157,13 +161,19 @@ def count(m: int, n: int, k: int, kind: str, dump: Path | None, cache: dict) -> 
         if dump is not None:
             dump.mkdir(parents=True, exist_ok=True)
             (dump / f"{fn.__name__}_{len(cache)}.sass").write_text("\n".join(lines))
-        cache[key] = (main_loop(lines), *registers(compiled.asm["cubin"]))
-    loop, regs, spills = cache[key]
+        cache[key] = (main_loop(lines), len(lines), *registers(compiled.asm["cubin"]))
+    loop, total, regs, spills = cache[key]
     weights = config.block_k * config.block_n  # one loop iteration of one program
     per_weight = len(loop) * config.num_warps * SM90_LANES / weights
+    # the whole program: code outside the loop once (every branch counted), the loop per step
+    k_per_split = -(-k // (grid[2] * config.block_k)) * config.block_k
+    steps = k_per_split // config.block_k
+    program = (total - len(loop) + len(loop) * steps) * config.num_warps * SM90_LANES
+    per_weight_program = program / (config.block_n * k_per_split)
     ops = Counter(opcode(line) for line in loop)
     return dict(kernel=fn.__name__, config=config, grid=grid, loop=len(loop),
-                per_weight=per_weight, regs=regs, spills=spills, ops=ops)  # fmt: skip
+                per_weight=per_weight, program=per_weight_program, regs=regs, spills=spills,
+                ops=ops)  # fmt: skip
 
 
 def native_key(value):
@@ -179,21 +189,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--dump", type=Path, default=None, help="write each kernel's SASS here")
     parser.add_argument("--ops", action="store_true", help="print the loop's opcode counts")
+    parser.add_argument("--config", default=None,
+                        help="count this launch instead of default_config's, e.g. "
+                             "'W4A16Config(16, 256, 128, split_k=8, num_warps=8, swap_ab=True)'")
     args = parser.parse_args(argv)
+    config = None if args.config is None else eval(args.config, {"W4A16Config": mod.W4A16Config})
     cache: dict = {}
-    print("shape          rows kind  kernel                 loop  instr/weight  /int32  regs "
-          "stack  launch")
+    print("shape          rows kind  kernel                 loop  instr/weight  /int32  program "
+          " regs stack  launch")
     for name in args.shapes:
         n, k = SHAPES[name]
         for m in args.rows:
             for kind in args.kinds:
-                r = count(m, n, k, kind, args.dump, cache)
+                r = count(m, n, k, kind, args.dump, cache, config)
                 c = r["config"]
                 launch = (f"{c.block_m}x{c.block_n}x{c.block_k} split {c.split_k} "
-                          f"w{c.num_warps} s{c.num_stages}{' gemv' if c.gemv else ''}")
+                          f"w{c.num_warps} s{c.num_stages}{' gemv' if c.gemv else ''}"
+                          f"{' swap_ab' if c.swap_ab else ''}")
                 print(f"{name:14s} {m:4d} {kind:5s} {r['kernel']:22s} {r['loop']:5d} "
-                      f"{r['per_weight']:12.2f} {8 * r['per_weight']:7.1f} {r['regs']:5d} "
-                      f"{r['spills']:6d}  {launch}", flush=True)  # fmt: skip
+                      f"{r['per_weight']:12.2f} {8 * r['per_weight']:7.1f} {r['program']:8.2f} "
+                      f"{r['regs']:5d} {r['spills']:5d}  {launch}", flush=True)  # fmt: skip
                 if args.ops:
                     print("    " + ", ".join(f"{op} {c}" for op, c in r["ops"].most_common()))
 
