@@ -22,12 +22,11 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default launches use; silences a warning
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # as launches build; no warning
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -62,9 +61,7 @@ def record_launches(m: int, n: int, k: int, kind: str, config=None) -> list:
     w = Int4Weight(qweight, scales, qzeros, GROUP, None, 0 if kind == "awq" else 1)
     x = torch.zeros(m, k, dtype=torch.bfloat16)
     config = config or mod.default_config(m, n, k, GROUP, num_sms=132)
-    if config.split_k == 0:  # the launcher's own split, as default_config makes it
-        tiles = -(-m // config.block_m) * -(-n // config.block_n)
-        config = replace(config, split_k=mod.auto_split(tiles, k, config.block_k, 132))
+    config = mod.resolve_split(config, m, n, k, 132)
     launches: list = []
     names = [name for name in dir(mod) if name.endswith("_kernel")]
     saved = {name: getattr(mod, name) for name in names}
@@ -96,7 +93,8 @@ def compile_sm90(fn, args: tuple, kwargs: dict):
         if p.is_constexpr:
             signature[p.name], constexprs[(i,)] = "constexpr", value
             continue
-        kind, attr = native_specialize_impl(BaseBackend, value, False, True, True)
+        kind, attr = native_specialize_impl(BaseBackend, value, False, not p.do_not_specialize,
+                                            not p.do_not_specialize_on_alignment)  # fmt: skip
         signature[p.name] = kind
         if kind == "constexpr":
             constexprs[(i,)] = attr
@@ -189,23 +187,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--dump", type=Path, default=None, help="write each kernel's SASS here")
     parser.add_argument("--ops", action="store_true", help="print the loop's opcode counts")
-    parser.add_argument("--config", default=None,
-                        help="count this launch instead of default_config's, e.g. "
-                             "'W4A16Config(16, 256, 128, split_k=8, num_warps=8, swap_ab=True)'")
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="count this launch instead of default_config's, e.g. "
+        "'W4A16Config(16, 256, 128, split_k=8, num_warps=8, swap_ab=True)'",
+    )
     args = parser.parse_args(argv)
     config = None if args.config is None else eval(args.config, {"W4A16Config": mod.W4A16Config})
     cache: dict = {}
-    print("shape          rows kind  kernel                 loop  instr/weight  /int32  program "
-          " regs stack  launch")
+    print(
+        "shape          rows kind  kernel                 loop  instr/weight  /int32  program "
+        " regs stack  launch"
+    )
     for name in args.shapes:
         n, k = SHAPES[name]
         for m in args.rows:
             for kind in args.kinds:
                 r = count(m, n, k, kind, args.dump, cache, config)
                 c = r["config"]
-                launch = (f"{c.block_m}x{c.block_n}x{c.block_k} split {c.split_k} "
-                          f"w{c.num_warps} s{c.num_stages}{' gemv' if c.gemv else ''}"
-                          f"{' swap_ab' if c.swap_ab else ''}")
+                launch = (
+                    f"{c.block_m}x{c.block_n}x{c.block_k} split {c.split_k} "
+                    f"w{c.num_warps} s{c.num_stages}{' gemv' if c.gemv else ''}"
+                    f"{' swap_ab' if c.swap_ab else ''}"
+                )
                 print(f"{name:14s} {m:4d} {kind:5s} {r['kernel']:22s} {r['loop']:5d} "
                       f"{r['per_weight']:12.2f} {8 * r['per_weight']:7.1f} {r['program']:8.2f} "
                       f"{r['regs']:5d} {r['spills']:5d}  {launch}", flush=True)  # fmt: skip

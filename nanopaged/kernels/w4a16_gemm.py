@@ -128,23 +128,16 @@ class W4A16Config:
     swap_ab: bool = False
 
 
-# Rows up to which the default launch is the GEMV kernel: on an H100 it beat the tensor-core
-# kernel at 1 row (Qwen3-8B's projections, GPTQ 1.6-2.2x bf16) and lost 3-15x at 4 and 8.
-M_GEMV = 1
-
-
-def _gemv_tile(rows: int, block_k: int) -> W4A16Config:
-    """A GEMV default for up to `rows` rows: 256 columns (1 KB of each packed row), K split
-    to fill the GPU; fewer K rows a tile as rows grow, for registers (sm_90 builds of 8 rows
-    at 128 K rows spill)."""
-    return W4A16Config(rows, 256, block_k, split_k=0, num_warps=4, num_stages=2, gemv=True)
-
+# Rows up to which the default launch is the decode tensor-core kernel (swap_ab): offline sm_90
+# builds count 3.4 (symmetric) / 3.7 (zeros) instructions a weight in its loop against the GEMV
+# kernel's 5.8 at one row and the many-row tensor-core kernel's 7.1 at 2-16 rows
+# (benchmarks/w4a16_sass.py). The GEMV kernel stays a --tune candidate at one row.
+M_DECODE = 16
 
 # Tiles by row count: the first entry whose max rows >= m. Edit from
 # `benchmarks/quant_gemm_bench.py --tune`, which prints its best launch per shape in this form.
 DEFAULT_TILES: tuple[tuple[int, W4A16Config], ...] = (
-    (M_GEMV, _gemv_tile(M_GEMV, 128)),
-    (16, W4A16Config(16, 128, 64, split_k=0, num_warps=4, num_stages=3)),
+    (M_DECODE, W4A16Config(16, 256, 128, split_k=0, num_warps=8, num_stages=3, swap_ab=True)),
     (64, W4A16Config(32, 128, 64, split_k=0, num_warps=4, num_stages=3)),
     (128, W4A16Config(64, 128, 64, split_k=1, num_warps=8, num_stages=3)),
     (1 << 62, W4A16Config(128, 128, 64, split_k=1, num_warps=8, num_stages=3)),
@@ -153,12 +146,12 @@ DEFAULT_TILES: tuple[tuple[int, W4A16Config], ...] = (
 TUNED: dict[tuple[int, int, int], W4A16Config] = {}
 
 
-def auto_split(tiles: int, k: int, block_k: int, num_sms: int) -> int:
+def auto_split(tiles: int, k: int, block_k: int, num_sms: int, min_steps: int = 2) -> int:
     """Powers of two while the grid stays within about three waves and each split keeps at
-    least two K steps: few rows give few output tiles, and splitting K fills the GPU (on an
-    H100, Qwen3-8B's projections at 1-16 rows ran fastest at 256-384 programs)."""
+    least min_steps K steps: few rows give few output tiles, and splitting K fills the GPU (on
+    an H100, Qwen3-8B's projections at 1-16 rows ran fastest at 256-384 programs)."""
     split = 1
-    while tiles * split * 2 <= num_sms * 3 and k // (block_k * split * 2) >= 2:
+    while tiles * split * 2 <= num_sms * 3 and k // (block_k * split * 2) >= min_steps:
         split *= 2
     return split
 
@@ -171,11 +164,17 @@ def default_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132) 
     block_k = max(16, min(config.block_k, group_size, k))
     while group_size % block_k and block_k > 16:
         block_k //= 2
-    split = config.split_k
-    if split == 0:
-        tiles = -(-m // config.block_m) * -(-n // config.block_n)
-        split = auto_split(tiles, k, block_k, num_sms)
-    return replace(config, block_k=block_k, split_k=split)
+    return resolve_split(replace(config, block_k=block_k), m, n, k, num_sms)
+
+
+def resolve_split(config: W4A16Config, m: int, n: int, k: int, num_sms: int) -> W4A16Config:
+    """config with split_k 0 (the launcher's choice) made a count: auto_split over the grid's
+    output tiles; the decode kernel's pipeline fills over a few steps, so four a split."""
+    if config.split_k != 0:
+        return config
+    tiles = -(-m // config.block_m) * -(-n // config.block_n)
+    min_steps = 4 if config.swap_ab else 2
+    return replace(config, split_k=auto_split(tiles, k, config.block_k, num_sms, min_steps))
 
 
 if triton is not None:
@@ -493,7 +492,7 @@ if triton is not None:
             return bits.to(DTYPE, bitcast=True)
         return bits.to(tl.int16).to(DTYPE, bitcast=True)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # one build for every row count
     def _w4a16_swap_kernel(
         x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, part_ptr, count_ptr,
         M, N, K, k_per_split, zero_offset,
@@ -519,8 +518,9 @@ if triton is not None:
         for k0 in range(k_start, k_end, BLOCK_K):
             pk = k0 // 8 + offs_pk
             # packed: [BLOCK_N, BLOCK_K / 8] int32, contiguous along N
-            packed = tl.load(qw_ptr + pk[None, :] * stride_qw + offs_n[:, None],
-                             mask=(pk < k_end // 8)[None, :] & mask_n[:, None], other=0)  # fmt: skip
+            mask_w = (pk < k_end // 8)[None, :] & mask_n[:, None]
+            packed = tl.load(qw_ptr + pk[None, :] * stride_qw + offs_n[:, None], mask=mask_w,
+                             other=0)  # fmt: skip
             k = k0 + k_order
             # xt: [BLOCK_K, BLOCK_M], input rows in the weight tile's order
             xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + k[:, None],
@@ -624,6 +624,7 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, config: W4A16Config | None = None
     k, n = w.in_features, w.out_features
     if config is None:
         config = default_config(m, n, k, w.group_size, num_sms(x.device))
+    config = resolve_split(config, m, n, k, num_sms(x.device))
     _check(x, w, config)
     k_per_split = -(-k // (config.split_k * config.block_k)) * config.block_k
     splits = -(-k // k_per_split)
