@@ -140,8 +140,10 @@ def candidates(kind: str, m: int) -> list:
         return [fp8_gemm.Fp8GemmConfig(*launch) for launch in itertools.product(*grid)]
     if m > w4a16_gemm.M_DECODE:
         return [W4A16Config(*launch) for launch in itertools.product(*grid)]
-    # (block_n, warps, stages): 150-250 registers a thread, one or two programs an SM
-    found = [W4A16Config(16, block_n, 128, split, warps, stages, swap_ab=True)
+    # (block_n, warps, stages): 150-250 registers a thread, one or two programs an SM;
+    # desc_act weights do not run the decode kernel
+    found = [] if kind == "gptq-desc_act" else [
+             W4A16Config(16, block_n, 128, split, warps, stages, swap_ab=True)
              for block_n, warps, stages in ((128, 4, 2), (128, 4, 3), (256, 8, 2), (256, 8, 3),
                                             (256, 4, 2))
              for split in (0, 2, 4, 8)]  # fmt: skip
@@ -201,7 +203,9 @@ def tune(kind: str, copies: list, m: int, bw: float, row: dict) -> dict:
         n, k = row["n"], row["k"]
         group = GROUP if kind in INT4_KINDS else (
             BLOCK[1] if kind == "fp8-block" else k)  # fmt: skip
-        best = dict(best, config=kernel_module(kind).default_config(m, n, k, group).__dict__)
+        config = (w4a16_gemm.default_config(m, n, k, group, g_idx=kind == "gptq-desc_act")
+                  if kind in INT4_KINDS else fp8_gemm.default_config(m, n, k, group))  # fmt: skip
+        best = dict(best, config=config.__dict__)
     return best
 
 

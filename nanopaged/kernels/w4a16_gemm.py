@@ -142,6 +142,10 @@ DEFAULT_TILES: tuple[tuple[int, W4A16Config], ...] = (
     (128, W4A16Config(64, 128, 64, split_k=1, num_warps=8, num_stages=3)),
     (1 << 62, W4A16Config(128, 128, 64, split_k=1, num_warps=8, num_stages=3)),
 )
+# desc_act weights up to M_DECODE rows: the decode kernel needs a tile in one group, and a
+# scale and zero gathered per weight cost it more (offline sm_90: 19 instructions a weight
+# with zeros) than this many-row tile (12).
+DESC_ACT_DECODE_TILE = W4A16Config(16, 128, 64, split_k=0, num_warps=4, num_stages=3)
 # Launches measured best for one (max rows of its tile entry, n, k); override DEFAULT_TILES.
 TUNED: dict[tuple[int, int, int], W4A16Config] = {}
 
@@ -156,11 +160,15 @@ def auto_split(tiles: int, k: int, block_k: int, num_sms: int, min_steps: int = 
     return split
 
 
-def default_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132) -> W4A16Config:
+def default_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132,
+                   g_idx: bool = False) -> W4A16Config:  # fmt: skip
     """The launch for x [m, k] and a [k, n] weight: TUNED for this shape if measured, else the
-    DEFAULT_TILES entry of this row count; block_k shrinks to divide the group size."""
+    DEFAULT_TILES entry of this row count (DESC_ACT_DECODE_TILE for a decode launch of a
+    weight with g_idx); block_k shrinks to divide the group size."""
     bucket, tile = next((rows, c) for rows, c in DEFAULT_TILES if m <= rows)
     config = TUNED.get((bucket, n, k), tile)
+    if g_idx and config.swap_ab:
+        config = DESC_ACT_DECODE_TILE
     block_k = max(16, min(config.block_k, group_size, k))
     while group_size % block_k and block_k > 16:
         block_k //= 2
@@ -433,7 +441,8 @@ if triton is not None:
     # MAGIC + 16 + q - zero (bf16 0x4300 = 128.0, fp16 0x6400 = 1024.0: ulp 1), and one packed
     # subtract of a constant leaves q - zero exactly: under 1.5 instructions a weight. The
     # order of K inside each packed row follows the registers (positions 2j, 2j + 1 hold
-    # nibbles t, t + 4), and x is read in that same order: a dot product does not care.
+    # nibbles t, t + 4), and x is read in that same order: a dot product does not care. A tile
+    # lies in one group (no g_idx), so the group's scale multiplies the fp32 product.
 
     @triton.jit
     def _magic_bits(DTYPE: tl.constexpr):
@@ -454,11 +463,17 @@ if triton is not None:
             lo = (packed >> (4 * T)) & 0xF
             hi = (packed >> (4 * T + 16)) & 0xF
             if ADD:
-                return lo + bias, hi + bias
-            return lo | bias, hi | bias
-        pair = (packed >> (4 * T)) & 0x000F000F
-        pair = pair + bias * 0x10001 if ADD else pair | bias * 0x10001
-        return pair.to(tl.int16), (pair >> 16).to(tl.int16)
+                lo, hi = lo + bias, hi + bias
+            else:
+                lo, hi = lo | bias, hi | bias
+        else:
+            pair = (packed >> (4 * T)) & 0x000F000F
+            if ADD:
+                pair = pair + bias * 0x10001
+            else:
+                pair = pair | bias * 0x10001
+            lo, hi = pair.to(tl.int16), (pair >> 16).to(tl.int16)
+        return lo, hi
 
     @triton.jit
     def _unpack_magic(packed, bias, DTYPE: tl.constexpr, ROWS: tl.constexpr,
@@ -489,15 +504,17 @@ if triton is not None:
     def _as_float(bits, DTYPE: tl.constexpr):
         """int32 bits (< 2^15 for 16-bit DTYPEs) as a float of DTYPE."""
         if DTYPE == tl.float32:
-            return bits.to(DTYPE, bitcast=True)
-        return bits.to(tl.int16).to(DTYPE, bitcast=True)
+            value = bits.to(DTYPE, bitcast=True)
+        else:
+            value = bits.to(tl.int16).to(DTYPE, bitcast=True)
+        return value
 
     @triton.jit(do_not_specialize=["M"])  # one build for every row count
     def _w4a16_swap_kernel(
-        x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, part_ptr, count_ptr,
+        x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr,
         M, N, K, k_per_split, zero_offset,
         stride_xm, stride_qw, stride_s, stride_z, stride_om,
-        HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, GROUP_SIZE: tl.constexpr,
+        HAS_ZEROS: tl.constexpr, GROUP_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLITS: tl.constexpr, FUSED_SUM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):  # fmt: skip
@@ -525,36 +542,21 @@ if triton is not None:
             # xt: [BLOCK_K, BLOCK_M], input rows in the weight tile's order
             xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + k[:, None],
                          mask=mask_m[None, :] & (k < k_end)[:, None], other=0.0)  # fmt: skip
-            if HAS_G_IDX:
-                # rows of one tile may sit in any group: a scale (and zero) per weight
-                q = _unpack_magic(packed, MAGIC, dtype, BLOCK_N, BLOCK_K, False)  # MAGIC + q
-                g = tl.load(g_ptr + k, mask=k < k_end, other=0)
-                mask_w = mask_n[:, None] & (k < k_end)[None, :]
-                scale = tl.load(s_ptr + g[None, :] * stride_s + offs_n[:, None], mask=mask_w,
-                                other=0.0).to(tl.float32)  # fmt: skip
-                zq = tl.full((BLOCK_N, 1), 8, tl.int32)
-                if HAS_ZEROS:
-                    zp = tl.load(z_ptr + g[None, :] * stride_z + (offs_n // 8)[:, None],
-                                 mask=mask_w, other=0)  # fmt: skip
-                    zq = ((zp >> (offs_n % 8)[:, None] * 4) & 0xF) + zero_offset
-                w = ((q - _as_float(MAGIC + zq, dtype)).to(tl.float32) * scale).to(dtype)
-                acc += tl.dot(w, xt, input_precision=DOT_PRECISION)
+            # the tile lies in one group: its scale multiplies the product, not each weight
+            g = k0 // GROUP_SIZE
+            scale = tl.load(s_ptr + g * stride_s + offs_n, mask=mask_n, other=0.0)
+            if HAS_ZEROS:
+                zp = tl.load(z_ptr + g * stride_z + offs_n // 8, mask=mask_n, other=0)
+                zq = ((zp >> (offs_n % 8) * 4) & 0xF) + zero_offset  # [BLOCK_N], <= 16
+                # bits MAGIC + 16 + q - zero: in MAGIC's binade for q - zero in [-16, 15]
+                bias = (MAGIC + 16 - zq)[:, None]
+                q = _unpack_magic(packed, bias, dtype, BLOCK_N, BLOCK_K, True)
+                w = q - _as_float(tl.full((1, 1), MAGIC + 16, tl.int32), dtype)
             else:
-                # the tile lies in one group: its scale multiplies the product, not each weight
-                g = k0 // GROUP_SIZE
-                scale = tl.load(s_ptr + g * stride_s + offs_n, mask=mask_n, other=0.0)
-                if HAS_ZEROS:
-                    zp = tl.load(z_ptr + g * stride_z + offs_n // 8, mask=mask_n, other=0)
-                    zq = ((zp >> (offs_n % 8) * 4) & 0xF) + zero_offset  # [BLOCK_N], <= 16
-                    # bits MAGIC + 16 + q - zero: in MAGIC's binade for q - zero in [-16, 15]
-                    bias = (MAGIC + 16 - zq)[:, None]
-                    q = _unpack_magic(packed, bias, dtype, BLOCK_N, BLOCK_K, True)
-                    w = q - _as_float(tl.full((1, 1), MAGIC + 16, tl.int32), dtype)
-                else:
-                    q = _unpack_magic(packed, MAGIC, dtype, BLOCK_N, BLOCK_K, False)
-                    w = q - _as_float(tl.full((1, 1), MAGIC + 8, tl.int32), dtype)
-                part = tl.dot(w, xt, input_precision=DOT_PRECISION)  # w: q - zero, exact
-                acc += part * scale.to(tl.float32)[:, None]
+                q = _unpack_magic(packed, MAGIC, dtype, BLOCK_N, BLOCK_K, False)
+                w = q - _as_float(tl.full((1, 1), MAGIC + 8, tl.int32), dtype)
+            part = tl.dot(w, xt, input_precision=DOT_PRECISION)  # w: q - zero, exact
+            acc += part * scale.to(tl.float32)[:, None]
         if SPLITS == 1:
             dest = out_ptr
             stride_d = stride_om
@@ -599,8 +601,9 @@ def _check(x: torch.Tensor, w: Int4Weight, config: W4A16Config) -> None:
     if config.gemv or config.swap_ab:  # aranges of rows, packs and packed rows
         for size in (config.block_m, config.block_n // PACK, config.block_k // PACK):
             assert size & (size - 1) == 0, config
-    if config.swap_ab:  # the MMA's smallest N and K
+    if config.swap_ab:  # the MMA's smallest N and K; a tile in one group
         assert config.block_m >= 16 and config.block_n >= 16, config
+        assert w.g_idx is None, "desc_act weights run the GEMV or the many-row kernel"
 
 
 MAX_COUNTERS = 1 << 16  # column blocks x row tiles of one fused-sum GEMV launch
@@ -623,7 +626,7 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, config: W4A16Config | None = None
     m = x.shape[0]
     k, n = w.in_features, w.out_features
     if config is None:
-        config = default_config(m, n, k, w.group_size, num_sms(x.device))
+        config = default_config(m, n, k, w.group_size, num_sms(x.device), w.g_idx is not None)
     config = resolve_split(config, m, n, k, num_sms(x.device))
     _check(x, w, config)
     k_per_split = -(-k // (config.split_k * config.block_k)) * config.block_k
@@ -664,20 +667,22 @@ def _fused_sum_launch(x: torch.Tensor, w: Int4Weight, config: W4A16Config,
     assert not fused or grid[0] * grid[1] <= counters.numel(), grid
     zeros = w.qzeros if w.qzeros is not None else w.qweight  # unread without zeros
     g_idx = w.g_idx if w.g_idx is not None else w.qweight  # unread without g_idx
-    args = (x, w.qweight, w.scales, zeros, g_idx, out, part, counters)
+    tensors = (x, w.qweight, w.scales, zeros, g_idx, out, part, counters)
     strides = (x.stride(0), w.qweight.stride(0), w.scales.stride(0), zeros.stride(0),
                out.stride(0))  # fmt: skip
-    common = dict(HAS_ZEROS=w.qzeros is not None, HAS_G_IDX=w.g_idx is not None,
-                  BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                  SPLITS=splits, FUSED_SUM=config.fused_sum, num_warps=config.num_warps,
+    common = dict(HAS_ZEROS=w.qzeros is not None, BLOCK_M=config.block_m,
+                  BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLITS=splits,
+                  FUSED_SUM=config.fused_sum, num_warps=config.num_warps,
                   num_stages=config.num_stages)  # fmt: skip
     if config.swap_ab:
-        _w4a16_swap_kernel[grid](*args, m, n, w.in_features, k_per_split, w.zero_offset,
+        tensors = tensors[:4] + tensors[5:]  # no g_idx
+        _w4a16_swap_kernel[grid](*tensors, m, n, w.in_features, k_per_split, w.zero_offset,
                                  *strides, GROUP_SIZE=w.group_size,
                                  DOT_PRECISION=dot_precision(x.dtype), **common)  # fmt: skip
     else:
-        _w4a16_gemv_kernel[grid](*args, m, n, w.in_features, k_per_split, w.group_size,
-                                 w.zero_offset, *strides, **common)  # fmt: skip
+        _w4a16_gemv_kernel[grid](*tensors, m, n, w.in_features, k_per_split, w.group_size,
+                                 w.zero_offset, *strides, HAS_G_IDX=w.g_idx is not None,
+                                 **common)  # fmt: skip
     if splits > 1 and not config.fused_sum:
         return sum_splits(part, x.dtype)
     return out
