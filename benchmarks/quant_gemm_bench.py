@@ -156,13 +156,30 @@ def candidates(kind: str, m: int) -> list:
 def precompile(kinds: list[str], shapes: list[tuple[int, int]], rows: list[int]) -> None:
     """Build the tuning launches in parallel processes (Triton's disk cache then serves the
     timing process), so --tune is bounded by the GPU, not by one CPU core compiling."""
-    jobs = [(kind, n, k, m, cfg) for kind in kinds if kind not in ("bf16", "fp8-channel-scaled_mm")
-            for n, k in shapes for m in rows for cfg in candidates(kind, m)]  # fmt: skip
+    jobs = {}
+    for kind, (n, k), m in itertools.product(kinds, shapes, rows):
+        if kind in ("bf16", "fp8-channel-scaled_mm"):
+            continue
+        for cfg in candidates(kind, m):
+            jobs.setdefault(build_key(kind, n, k, m, cfg), (kind, n, k, m, cfg))
+    jobs = list(jobs.values())
     workers = max(1, min(16, (os.cpu_count() or 2) - 1, len(jobs)))
     print(f"compiling {len(jobs)} tuning launches in {workers} processes", flush=True)
     ctx = torch.multiprocessing.get_context("spawn")
     with ctx.Pool(workers) as pool:
         pool.map(_compile_worker, [jobs[i::workers] for i in range(workers)])
+
+
+def build_key(kind: str, n: int, k: int, m: int, cfg) -> tuple:
+    """What a launch's build depends on here: the kind (zeros, g_idx), the launch with its
+    split count, and the row count where the kernel specializes on it (1, a multiple of 16);
+    the shapes' N and K all divide by 16."""
+    if kind in INT4_KINDS:
+        cfg = w4a16_gemm.resolve_split(cfg, m, n, k, 132)
+        rows = None if cfg.swap_ab else (m == 1, m % 16 == 0)
+    else:
+        rows = (m == 1, m % 16 == 0, n, k)  # the FP8 kernel's own split: keep the shape
+    return (kind, tuple(cfg.__dict__.items()), rows)
 
 
 def _compile_worker(jobs: list) -> None:
