@@ -5,7 +5,10 @@ kernel loads each packed int32 once per tile (a [BLOCK_K / 8, BLOCK_N] tile, con
 N), unpacks its nibbles in registers with shifts over a third axis of 8, subtracts the zero and
 feeds the tensor cores the 16-bit integers; the group's scale multiplies the tile's product, not
 each weight. One pass over the packed weight, no dequantized copy in memory (the idea Marlin
-builds on).
+builds on). Three kernels: up to M_DECODE rows the decode kernel puts the weight tile in the
+MMA's A operand and makes nibbles 16-bit floats by bits alone (_w4a16_swap_kernel); above it
+the many-row tensor-core kernel (_w4a16_kernel); the GEMV kernel (no tensor cores) where a
+launch asks for it (_w4a16_gemv_kernel).
 
 The one layout (GPTQ's): qweight [K/8, N], eight input rows per int32, row k at nibble k % 8;
 qzeros [K/group, N/8] with column n at nibble n % 8; scales [K/group, N]; g_idx [K], the group
