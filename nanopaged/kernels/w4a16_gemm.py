@@ -137,10 +137,15 @@ class W4A16Config:
 # (benchmarks/w4a16_sass.py). The GEMV kernel stays a --tune candidate at one row.
 M_DECODE = 16
 
-# Tiles by row count: the first entry whose max rows >= m. Edit from
+_DECODE_TILE = W4A16Config(16, 256, 128, split_k=0, num_warps=8, num_stages=3, swap_ab=True)
+
+# Tiles by row count: the first entry whose max rows >= m (decode rows in three buckets, so
+# TUNED can tell 1, 2-8 and 9-16 rows apart). Edit from
 # `benchmarks/quant_gemm_bench.py --tune`, which prints its best launch per shape in this form.
 DEFAULT_TILES: tuple[tuple[int, W4A16Config], ...] = (
-    (M_DECODE, W4A16Config(16, 256, 128, split_k=0, num_warps=8, num_stages=3, swap_ab=True)),
+    (1, _DECODE_TILE),
+    (8, _DECODE_TILE),
+    (M_DECODE, _DECODE_TILE),
     (64, W4A16Config(32, 128, 64, split_k=0, num_warps=4, num_stages=3)),
     (128, W4A16Config(64, 128, 64, split_k=1, num_warps=8, num_stages=3)),
     (1 << 62, W4A16Config(128, 128, 64, split_k=1, num_warps=8, num_stages=3)),
