@@ -453,6 +453,17 @@ if triton is not None:
     # lies in one group (no g_idx), so the group's scale multiplies the fp32 product.
 
     @triton.jit
+    def _magic_bits(DTYPE: tl.constexpr):
+        """The float whose low mantissa bits hold a small integer exactly (ulp 1): 2^7 in bf16,
+        2^10 in fp16, 2^23 in fp32."""
+        if DTYPE == tl.bfloat16:
+            return 0x4300
+        elif DTYPE == tl.float16:
+            return 0x6400
+        else:
+            return 0x4B000000
+
+    @triton.jit
     def _nibble_pair(packed, bias, T: tl.constexpr, ADD: tl.constexpr, WIDE: tl.constexpr):
         """Nibbles T and T + 4 of each int32 with bias or-ed (ADD: added) into each: two 16-bit
         values in the int32's low and high half (WIDE: each in its own int32)."""
@@ -523,11 +534,7 @@ if triton is not None:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_pk = tl.arange(0, BLOCK_K // 8)
         k_order = _k_order(BLOCK_K)
-        # The float whose low mantissa bits hold a small integer exactly (ulp 1): 2^7 in bf16,
-        # 2^10 in fp16, 2^23 in fp32 (a constant, not a jit call: Triton 3.6 makes a call's
-        # result a tensor).
-        MAGIC: tl.constexpr = (0x4300 if dtype == tl.bfloat16 else
-                               0x6400 if dtype == tl.float16 else 0x4B000000)  # fmt: skip
+        MAGIC: tl.constexpr = _magic_bits(dtype)
         mask_n = offs_n < N
         mask_m = offs_m < M
         k_start = split * k_per_split
