@@ -1,8 +1,8 @@
 """Quantized GEMMs on Qwen3-8B's projection shapes against their bandwidth bound (GPU only):
 W4A16 (AWQ repacked as at load, GPTQ, GPTQ desc_act) and W8A8 FP8 (128x128 blocks; per
 channel through the Triton kernel and through torch._scaled_mm), with bf16 cuBLAS (F.linear)
-beside them, at 1, 4, 8, 16 and 256 rows (W4A16 up to M_DECODE rows runs its decode
-tensor-core kernel, the weight as the MMA's A operand; above it the many-row one).
+beside them, at 1, 4, 8, 16 and 256 rows (W4A16 up to M_GEMV rows runs its GEMV kernel, above
+it the tensor-core one).
 
 python benchmarks/quant_gemm_bench.py [--rows 1 4 8 16 256] [--kinds ...] [--shapes ...] [--tune]
     [--json PATH]
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -125,11 +124,9 @@ def time_kind(kind: str, copies: list, n: int, k: int, m: int, bw: float, config
 
 def candidates(kind: str, m: int) -> list:
     """Launches --tune tries for the Triton kernels: decode tiles of 16 rows with K splits,
-    wider tiles as rows grow (split_k 0 is the launcher's own split). W4A16 up to M_DECODE rows:
-    the decode tensor-core kernel (swap_ab) over N tiles, warps, stages and K splits, the
-    many-row kernel's 16-row tile beside it, and at one row the GEMV kernel too, so the table
-    may pick any of them per shape; few enough launches that a tuning run of four shapes and
-    four row counts compiles and times in about two minutes."""
+    wider tiles as rows grow (split_k 0 is the launcher's own split); up to M_GEMV rows the
+    W4A16 GEMV kernel too (one row tile; K splits summed by the last split or by a second
+    launch), so the table may pick either kernel per shape."""
     if m <= 16:
         grid = ((16,), (16, 32, 64, 128), (64, 128), (0, 1, 2, 4, 8), (4,), (3, 4))
     elif m <= 64:
@@ -138,58 +135,15 @@ def candidates(kind: str, m: int) -> list:
         grid = ((64, 128), (128, 256), (64, 128), (1,), (4, 8), (3, 4))
     if kind not in INT4_KINDS:
         return [fp8_gemm.Fp8GemmConfig(*launch) for launch in itertools.product(*grid)]
-    if m > w4a16_gemm.M_DECODE:
-        return [W4A16Config(*launch) for launch in itertools.product(*grid)]
-    # (block_n, warps, stages): 150-250 registers a thread, one or two programs an SM;
-    # desc_act weights do not run the decode kernel
-    found = [] if kind == "gptq-desc_act" else [
-             W4A16Config(16, block_n, 128, split, warps, stages, swap_ab=True)
-             for block_n, warps, stages in ((128, 4, 2), (128, 4, 3), (256, 8, 2), (256, 8, 3),
-                                            (256, 4, 2))
-             for split in (0, 2, 4, 8)]  # fmt: skip
-    found.append(W4A16Config(16, 128, 64, 0, 4, 3))  # the many-row kernel's decode tile
-    if m == 1:
-        found += [W4A16Config(1, 256, 128, split, 4, 2, gemv=True) for split in (0, 8, 16)]
+    found = [W4A16Config(*launch) for launch in itertools.product(*grid)]
+    if m <= w4a16_gemm.M_GEMV:
+        rows = next(r for r, _ in w4a16_gemm.DEFAULT_TILES if m <= r)
+        gemv = ((rows,), (256, 512), (32, 64, 128), (0, 4, 8, 16), (4, 8), (2,))
+        for launch in itertools.product(*gemv):
+            found.append(W4A16Config(*launch, gemv=True))
+            if launch[3] == 0:  # the launcher's split summed by sum_splits
+                found.append(W4A16Config(*launch, gemv=True, fused_sum=False))
     return found
-
-
-def precompile(kinds: list[str], shapes: list[tuple[int, int]], rows: list[int]) -> None:
-    """Build the tuning launches in parallel processes (Triton's disk cache then serves the
-    timing process), so --tune is bounded by the GPU, not by one CPU core compiling."""
-    jobs = {}
-    for kind, (n, k), m in itertools.product(kinds, shapes, rows):
-        if kind in ("bf16", "fp8-channel-scaled_mm"):
-            continue
-        for cfg in candidates(kind, m):
-            jobs.setdefault(build_key(kind, n, k, m, cfg), (kind, n, k, m, cfg))
-    jobs = list(jobs.values())
-    workers = max(1, min(16, (os.cpu_count() or 2) - 1, len(jobs)))
-    print(f"compiling {len(jobs)} tuning launches in {workers} processes", flush=True)
-    ctx = torch.multiprocessing.get_context("spawn")
-    with ctx.Pool(workers) as pool:
-        pool.map(_compile_worker, [jobs[i::workers] for i in range(workers)])
-
-
-def build_key(kind: str, n: int, k: int, m: int, cfg) -> tuple:
-    """What a launch's build depends on here: the kind (zeros, g_idx), the launch with its
-    split count, and the row count where the kernel specializes on it (1, a multiple of 16);
-    the shapes' N and K all divide by 16."""
-    if kind in INT4_KINDS:
-        cfg = w4a16_gemm.resolve_split(cfg, m, n, k, 132)
-        rows = None if cfg.swap_ab else (m == 1, m % 16 == 0)
-    else:
-        rows = (m == 1, m % 16 == 0, n, k)  # the FP8 kernel's own split: keep the shape
-    return (kind, tuple(cfg.__dict__.items()), rows)
-
-
-def _compile_worker(jobs: list) -> None:
-    for kind, n, k, m, cfg in jobs:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        try:
-            make_call(kind, x, cfg)(make_weight(kind, n, k))
-        except Exception:  # out of shared memory, say: the timing skips it too
-            pass
-    torch.cuda.synchronize()
 
 
 def kernel_module(kind: str):
@@ -220,9 +174,7 @@ def tune(kind: str, copies: list, m: int, bw: float, row: dict) -> dict:
         n, k = row["n"], row["k"]
         group = GROUP if kind in INT4_KINDS else (
             BLOCK[1] if kind == "fp8-block" else k)  # fmt: skip
-        config = (w4a16_gemm.default_config(m, n, k, group, g_idx=kind == "gptq-desc_act")
-                  if kind in INT4_KINDS else fp8_gemm.default_config(m, n, k, group))  # fmt: skip
-        best = dict(best, config=config.__dict__)
+        best = dict(best, config=kernel_module(kind).default_config(m, n, k, group).__dict__)
     return best
 
 
@@ -240,8 +192,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"{torch.cuda.get_device_name()}: copy {bw:.2f} TB/s", flush=True)
     rows, tuned = [], []
     shapes = {name: SHAPES[name] for name in args.shapes}
-    if args.tune:
-        precompile(args.kinds, list(shapes.values()), args.rows)
     for (name, (n, k)), m in itertools.product(shapes.items(), args.rows):
         base = None
         for kind in args.kinds:

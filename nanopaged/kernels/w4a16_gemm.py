@@ -5,10 +5,7 @@ kernel loads each packed int32 once per tile (a [BLOCK_K / 8, BLOCK_N] tile, con
 N), unpacks its nibbles in registers with shifts over a third axis of 8, subtracts the zero and
 feeds the tensor cores the 16-bit integers; the group's scale multiplies the tile's product, not
 each weight. One pass over the packed weight, no dequantized copy in memory (the idea Marlin
-builds on). Three kernels: up to M_DECODE rows the decode kernel puts the weight tile in the
-MMA's A operand and makes nibbles 16-bit floats by bits alone (_w4a16_swap_kernel); above it
-the many-row tensor-core kernel (_w4a16_kernel); the GEMV kernel (no tensor cores) where a
-launch asks for it (_w4a16_gemv_kernel).
+builds on).
 
 The one layout (GPTQ's): qweight [K/8, N], eight input rows per int32, row k at nibble k % 8;
 qzeros [K/group, N/8] with column n at nibble n % 8; scales [K/group, N]; g_idx [K], the group
@@ -115,10 +112,8 @@ class W4A16Config:
     """Launch parameters; block_k must divide the group size (one scale row per tile) unless
     the weight carries g_idx. split_k 0: split K until about one wave of programs. gemv: the
     GEMV kernel (block_m rows per program, no tensor cores) instead of the tensor-core one;
-    swap_ab: the decode tensor-core kernel (the weight tile is the MMA's A operand, x's rows
-    its B columns; block_m >= 16); fused_sum (GEMV or swap_ab with split K): the program that
-    finishes a column block last adds the splits' partials in split order, instead of a second
-    launch."""
+    fused_sum (GEMV with split K): the program that finishes a column block last adds the
+    splits' partials in split order, instead of a second launch."""
 
     block_m: int
     block_n: int
@@ -128,69 +123,56 @@ class W4A16Config:
     num_stages: int = 3
     gemv: bool = False
     fused_sum: bool = True
-    swap_ab: bool = False
 
 
-# Rows up to which the default launch is the decode tensor-core kernel (swap_ab): offline sm_90
-# builds count 3.4 (symmetric) / 3.7 (zeros) instructions a weight in its loop against the GEMV
-# kernel's 5.8 at one row and the many-row tensor-core kernel's 7.1 at 2-16 rows
-# (benchmarks/w4a16_sass.py). The GEMV kernel stays a --tune candidate at one row.
-M_DECODE = 16
+# Rows up to which the default launch is the GEMV kernel: on an H100 it beat the tensor-core
+# kernel at 1 row (Qwen3-8B's projections, GPTQ 1.6-2.2x bf16) and lost 3-15x at 4 and 8.
+M_GEMV = 1
 
-_DECODE_TILE = W4A16Config(16, 256, 128, split_k=0, num_warps=8, num_stages=3, swap_ab=True)
 
-# Tiles by row count: the first entry whose max rows >= m (decode rows in three buckets, so
-# TUNED can tell 1, 2-8 and 9-16 rows apart). Edit from
+def _gemv_tile(rows: int, block_k: int) -> W4A16Config:
+    """A GEMV default for up to `rows` rows: 256 columns (1 KB of each packed row), K split
+    to fill the GPU; fewer K rows a tile as rows grow, for registers (sm_90 builds of 8 rows
+    at 128 K rows spill)."""
+    return W4A16Config(rows, 256, block_k, split_k=0, num_warps=4, num_stages=2, gemv=True)
+
+
+# Tiles by row count: the first entry whose max rows >= m. Edit from
 # `benchmarks/quant_gemm_bench.py --tune`, which prints its best launch per shape in this form.
 DEFAULT_TILES: tuple[tuple[int, W4A16Config], ...] = (
-    (1, _DECODE_TILE),
-    (8, _DECODE_TILE),
-    (M_DECODE, _DECODE_TILE),
+    (M_GEMV, _gemv_tile(M_GEMV, 128)),
+    (16, W4A16Config(16, 128, 64, split_k=0, num_warps=4, num_stages=3)),
     (64, W4A16Config(32, 128, 64, split_k=0, num_warps=4, num_stages=3)),
     (128, W4A16Config(64, 128, 64, split_k=1, num_warps=8, num_stages=3)),
     (1 << 62, W4A16Config(128, 128, 64, split_k=1, num_warps=8, num_stages=3)),
 )
-# desc_act weights up to M_DECODE rows: the decode kernel needs a tile in one group, and a
-# scale and zero gathered per weight cost it more (offline sm_90: 19 instructions a weight
-# with zeros) than this many-row tile (12).
-DESC_ACT_DECODE_TILE = W4A16Config(16, 128, 64, split_k=0, num_warps=4, num_stages=3)
 # Launches measured best for one (max rows of its tile entry, n, k); override DEFAULT_TILES.
 TUNED: dict[tuple[int, int, int], W4A16Config] = {}
 
 
-def auto_split(tiles: int, k: int, block_k: int, num_sms: int, min_steps: int = 2) -> int:
+def auto_split(tiles: int, k: int, block_k: int, num_sms: int) -> int:
     """Powers of two while the grid stays within about three waves and each split keeps at
-    least min_steps K steps: few rows give few output tiles, and splitting K fills the GPU (on
-    an H100, Qwen3-8B's projections at 1-16 rows ran fastest at 256-384 programs)."""
+    least two K steps: few rows give few output tiles, and splitting K fills the GPU (on an
+    H100, Qwen3-8B's projections at 1-16 rows ran fastest at 256-384 programs)."""
     split = 1
-    while tiles * split * 2 <= num_sms * 3 and k // (block_k * split * 2) >= min_steps:
+    while tiles * split * 2 <= num_sms * 3 and k // (block_k * split * 2) >= 2:
         split *= 2
     return split
 
 
-def default_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132,
-                   g_idx: bool = False) -> W4A16Config:  # fmt: skip
+def default_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132) -> W4A16Config:
     """The launch for x [m, k] and a [k, n] weight: TUNED for this shape if measured, else the
-    DEFAULT_TILES entry of this row count (DESC_ACT_DECODE_TILE for a decode launch of a
-    weight with g_idx); block_k shrinks to divide the group size."""
+    DEFAULT_TILES entry of this row count; block_k shrinks to divide the group size."""
     bucket, tile = next((rows, c) for rows, c in DEFAULT_TILES if m <= rows)
     config = TUNED.get((bucket, n, k), tile)
-    if g_idx and config.swap_ab:
-        config = DESC_ACT_DECODE_TILE
     block_k = max(16, min(config.block_k, group_size, k))
     while group_size % block_k and block_k > 16:
         block_k //= 2
-    return resolve_split(replace(config, block_k=block_k), m, n, k, num_sms)
-
-
-def resolve_split(config: W4A16Config, m: int, n: int, k: int, num_sms: int) -> W4A16Config:
-    """config with split_k 0 (the launcher's choice) made a count: auto_split over the grid's
-    output tiles; the decode kernel's pipeline fills over a few steps, so four a split."""
-    if config.split_k != 0:
-        return config
-    tiles = -(-m // config.block_m) * -(-n // config.block_n)
-    min_steps = 4 if config.swap_ab else 2
-    return replace(config, split_k=auto_split(tiles, k, config.block_k, num_sms, min_steps))
+    split = config.split_k
+    if split == 0:
+        tiles = -(-m // config.block_m) * -(-n // config.block_n)
+        split = auto_split(tiles, k, block_k, num_sms)
+    return replace(config, block_k=block_k, split_k=split)
 
 
 if triton is not None:
@@ -440,143 +422,6 @@ if triton is not None:
             _sum_if_last(part_ptr, out_ptr, count_ptr, M, N, stride_om, pid_n, pid_m, BLOCK_M,
                          BLOCK_N, SPLITS)  # fmt: skip
 
-    # Decode tensor-core kernel (swap_ab). out^T [N, M] = W^T x^T: the dequantized weight
-    # tile [BLOCK_N, BLOCK_K] is the MMA's A operand (from registers; 64 weight columns per
-    # warpgroup instruction on sm_90), x^T [BLOCK_K, BLOCK_M >= 16] its B operand, so 1-16 rows
-    # pad the tensor cores, not the weight path. A nibble becomes a 16-bit float by bits alone:
-    # nibbles t and t + 4 of an int32 sit at bits 4t and 4t + 16, so one shift and one and-or
-    # (symmetric) or and-add (zeros) give both halves of a register as MAGIC + q or
-    # MAGIC + 16 + q - zero (bf16 0x4300 = 128.0, fp16 0x6400 = 1024.0: ulp 1), and one packed
-    # subtract of a constant leaves q - zero exactly: under 1.5 instructions a weight. The
-    # order of K inside each packed row follows the registers (positions 2j, 2j + 1 hold
-    # nibbles t, t + 4), and x is read in that same order: a dot product does not care. A tile
-    # lies in one group (no g_idx), so the group's scale multiplies the fp32 product.
-
-    @triton.jit
-    def _magic_bits(DTYPE: tl.constexpr):
-        """The float whose low mantissa bits hold a small integer exactly (ulp 1): 2^7 in bf16,
-        2^10 in fp16, 2^23 in fp32."""
-        if DTYPE == tl.bfloat16:
-            return 0x4300
-        elif DTYPE == tl.float16:
-            return 0x6400
-        else:
-            return 0x4B000000
-
-    @triton.jit
-    def _nibble_pair(packed, bias, T: tl.constexpr, ADD: tl.constexpr, WIDE: tl.constexpr):
-        """Nibbles T and T + 4 of each int32 with bias or-ed (ADD: added) into each: two 16-bit
-        values in the int32's low and high half (WIDE: each in its own int32)."""
-        if WIDE:
-            lo = (packed >> (4 * T)) & 0xF
-            hi = (packed >> (4 * T + 16)) & 0xF
-            if ADD:
-                lo, hi = lo + bias, hi + bias
-            else:
-                lo, hi = lo | bias, hi | bias
-        else:
-            pair = (packed >> (4 * T)) & 0x000F000F
-            if ADD:
-                pair = pair + bias * 0x10001
-            else:
-                pair = pair | bias * 0x10001
-            lo, hi = pair.to(tl.int16), (pair >> 16).to(tl.int16)
-        return lo, hi
-
-    @triton.jit
-    def _unpack_magic(packed, bias, DTYPE: tl.constexpr, ROWS: tl.constexpr,
-                      COLS: tl.constexpr, ADD: tl.constexpr):  # fmt: skip
-        """[ROWS, COLS / 8] int32 -> [ROWS, COLS] floats of DTYPE whose bits are nibble + bias
-        (or-ed, or ADD: added), each int32's eight nibbles along the columns in register order
-        (see _k_order)."""
-        WIDE: tl.constexpr = DTYPE == tl.float32
-        lo0, hi0 = _nibble_pair(packed, bias, 0, ADD, WIDE)
-        lo1, hi1 = _nibble_pair(packed, bias, 1, ADD, WIDE)
-        lo2, hi2 = _nibble_pair(packed, bias, 2, ADD, WIDE)
-        lo3, hi3 = _nibble_pair(packed, bias, 3, ADD, WIDE)
-        lo = tl.join(tl.join(lo0, lo1), tl.join(lo2, lo3))
-        hi = tl.join(tl.join(hi0, hi1), tl.join(hi2, hi3))
-        # [ROWS, COLS / 8, 2, 2, 2]: the last axis (low or high half) innermost, as in a register
-        q = tl.reshape(tl.join(lo, hi), (ROWS, COLS))
-        return q.to(DTYPE, bitcast=True)
-
-    @triton.jit
-    def _k_order(BLOCK_K: tl.constexpr):
-        """[BLOCK_K] input-row offsets of _unpack_magic's columns: nibble 2b + c + 4h of packed
-        row pk at column 8 pk + 4b + 2c + h."""
-        o = tl.arange(0, BLOCK_K // 8) * 8
-        lo = tl.join(tl.join(o, o + 1), tl.join(o + 2, o + 3))
-        return tl.reshape(tl.join(lo, lo + 4), (BLOCK_K,))
-
-    @triton.jit
-    def _as_float(bits, DTYPE: tl.constexpr):
-        """int32 bits (< 2^15 for 16-bit DTYPEs) as a float of DTYPE."""
-        if DTYPE == tl.float32:
-            value = bits.to(DTYPE, bitcast=True)
-        else:
-            value = bits.to(tl.int16).to(DTYPE, bitcast=True)
-        return value
-
-    @triton.jit(do_not_specialize=["M"])  # one build for every row count
-    def _w4a16_swap_kernel(
-        x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr,
-        M, N, K, k_per_split, zero_offset,
-        stride_xm, stride_qw, stride_s, stride_z, stride_om,
-        HAS_ZEROS: tl.constexpr, GROUP_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLITS: tl.constexpr, FUSED_SUM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ):  # fmt: skip
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        split = tl.program_id(2)
-        dtype = x_ptr.dtype.element_ty
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_pk = tl.arange(0, BLOCK_K // 8)
-        k_order = _k_order(BLOCK_K)
-        MAGIC: tl.constexpr = _magic_bits(dtype)
-        mask_n = offs_n < N
-        mask_m = offs_m < M
-        k_start = split * k_per_split
-        k_end = tl.minimum(k_start + k_per_split, K)
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out^T
-        for k0 in range(k_start, k_end, BLOCK_K):
-            pk = k0 // 8 + offs_pk
-            # packed: [BLOCK_N, BLOCK_K / 8] int32, contiguous along N
-            mask_w = (pk < k_end // 8)[None, :] & mask_n[:, None]
-            packed = tl.load(qw_ptr + pk[None, :] * stride_qw + offs_n[:, None], mask=mask_w,
-                             other=0)  # fmt: skip
-            k = k0 + k_order
-            # xt: [BLOCK_K, BLOCK_M], input rows in the weight tile's order
-            xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + k[:, None],
-                         mask=mask_m[None, :] & (k < k_end)[:, None], other=0.0)  # fmt: skip
-            # the tile lies in one group: its scale multiplies the product, not each weight
-            g = k0 // GROUP_SIZE
-            scale = tl.load(s_ptr + g * stride_s + offs_n, mask=mask_n, other=0.0)
-            if HAS_ZEROS:
-                zp = tl.load(z_ptr + g * stride_z + offs_n // 8, mask=mask_n, other=0)
-                zq = ((zp >> (offs_n % 8) * 4) & 0xF) + zero_offset  # [BLOCK_N], <= 16
-                # bits MAGIC + 16 + q - zero: in MAGIC's binade for q - zero in [-16, 15]
-                bias = (MAGIC + 16 - zq)[:, None]
-                q = _unpack_magic(packed, bias, dtype, BLOCK_N, BLOCK_K, True)
-                w = q - _as_float(tl.full((1, 1), MAGIC + 16, tl.int32), dtype)
-            else:
-                q = _unpack_magic(packed, MAGIC, dtype, BLOCK_N, BLOCK_K, False)
-                w = q - _as_float(tl.full((1, 1), MAGIC + 8, tl.int32), dtype)
-            part = tl.dot(w, xt, input_precision=DOT_PRECISION)  # w: q - zero, exact
-            acc += part * scale.to(tl.float32)[:, None]
-        if SPLITS == 1:
-            dest = out_ptr
-            stride_d = stride_om
-        else:  # fp32 partials [SPLITS, M, N]
-            dest = part_ptr + split * M * N
-            stride_d = N
-        tl.store(dest + offs_m[None, :] * stride_d + offs_n[:, None],
-                 acc.to(dest.dtype.element_ty), mask=mask_m[None, :] & mask_n[:, None])  # fmt: skip
-        if SPLITS > 1 and FUSED_SUM:
-            _sum_if_last(part_ptr, out_ptr, count_ptr, M, N, stride_om, pid_n, pid_m, BLOCK_M,
-                         BLOCK_N, SPLITS)  # fmt: skip
-
 
 def sum_splits(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[splits, M, N] fp32 partials (contiguous) -> [M, N] of dtype, summed in split order."""
@@ -605,13 +450,9 @@ def _check(x: torch.Tensor, w: Int4Weight, config: W4A16Config) -> None:
         assert w.g_idx.dtype == torch.int32 and tuple(w.g_idx.shape) == (k,)
     assert config.block_k % PACK == 0 and config.block_k >= 16 and config.split_k >= 1
     assert config.block_n % PACK == 0 and config.block_n >= 16, config.block_n
-    assert not (config.gemv and config.swap_ab), config
-    if config.gemv or config.swap_ab:  # aranges of rows, packs and packed rows
+    if config.gemv:  # aranges of block_m rows, block_n / 8 packs and block_k / 8 packed rows
         for size in (config.block_m, config.block_n // PACK, config.block_k // PACK):
             assert size & (size - 1) == 0, config
-    if config.swap_ab:  # the MMA's smallest N and K; a tile in one group
-        assert config.block_m >= 16 and config.block_n >= 16, config
-        assert w.g_idx is None, "desc_act weights run the GEMV or the many-row kernel"
 
 
 MAX_COUNTERS = 1 << 16  # column blocks x row tiles of one fused-sum GEMV launch
@@ -629,21 +470,19 @@ def split_counters(device: torch.device) -> torch.Tensor:
 
 def w4a16_gemm(x: torch.Tensor, w: Int4Weight, config: W4A16Config | None = None) -> torch.Tensor:
     """x [M, K] (16-bit; fp32 too, as the interpreter runs) @ w -> [M, N] in x's dtype; the
-    kernel the config names (by default the decode tensor-core kernel up to 16 rows), else the
-    tensor-core kernel of many rows."""
+    GEMV kernel where the config says so (by default up to M_GEMV rows), else tensor cores."""
     m = x.shape[0]
     k, n = w.in_features, w.out_features
     if config is None:
-        config = default_config(m, n, k, w.group_size, num_sms(x.device), w.g_idx is not None)
-    config = resolve_split(config, m, n, k, num_sms(x.device))
+        config = default_config(m, n, k, w.group_size, num_sms(x.device))
     _check(x, w, config)
     k_per_split = -(-k // (config.split_k * config.block_k)) * config.block_k
     splits = -(-k // k_per_split)
     if m == 0:
         return torch.empty(0, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), splits)
-    if config.gemv or config.swap_ab:
-        return _fused_sum_launch(x, w, config, grid, k_per_split)
+    if config.gemv:
+        return _gemv(x, w, config, grid, k_per_split)
     if splits == 1:
         out = torch.empty(1, m, n, dtype=x.dtype, device=x.device)
     else:
@@ -663,10 +502,10 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, config: W4A16Config | None = None
     return out[0] if splits == 1 else sum_splits(out, x.dtype)
 
 
-def _fused_sum_launch(x: torch.Tensor, w: Int4Weight, config: W4A16Config,
-                      grid: tuple[int, int, int], k_per_split: int) -> torch.Tensor:  # fmt: skip
-    """The GEMV or decode tensor-core kernel's launch: one pass, or fp32 partials summed by the
-    last split (fused) or by sum_splits."""
+def _gemv(x: torch.Tensor, w: Int4Weight, config: W4A16Config, grid: tuple[int, int, int],
+          k_per_split: int) -> torch.Tensor:  # fmt: skip
+    """The GEMV kernel's launch: one pass, or fp32 partials summed by the last split (fused)
+    or by sum_splits."""
     m, n, splits = x.shape[0], w.out_features, grid[2]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
@@ -675,22 +514,15 @@ def _fused_sum_launch(x: torch.Tensor, w: Int4Weight, config: W4A16Config,
     assert not fused or grid[0] * grid[1] <= counters.numel(), grid
     zeros = w.qzeros if w.qzeros is not None else w.qweight  # unread without zeros
     g_idx = w.g_idx if w.g_idx is not None else w.qweight  # unread without g_idx
-    tensors = (x, w.qweight, w.scales, zeros, g_idx, out, part, counters)
-    strides = (x.stride(0), w.qweight.stride(0), w.scales.stride(0), zeros.stride(0),
-               out.stride(0))  # fmt: skip
-    common = dict(HAS_ZEROS=w.qzeros is not None, BLOCK_M=config.block_m,
-                  BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLITS=splits,
-                  FUSED_SUM=config.fused_sum, num_warps=config.num_warps,
-                  num_stages=config.num_stages)  # fmt: skip
-    if config.swap_ab:
-        tensors = tensors[:4] + tensors[5:]  # no g_idx
-        _w4a16_swap_kernel[grid](*tensors, m, n, w.in_features, k_per_split, w.zero_offset,
-                                 *strides, GROUP_SIZE=w.group_size,
-                                 DOT_PRECISION=dot_precision(x.dtype), **common)  # fmt: skip
-    else:
-        _w4a16_gemv_kernel[grid](*tensors, m, n, w.in_features, k_per_split, w.group_size,
-                                 w.zero_offset, *strides, HAS_G_IDX=w.g_idx is not None,
-                                 **common)  # fmt: skip
+    _w4a16_gemv_kernel[grid](
+        x, w.qweight, w.scales, zeros, g_idx, out, part, counters,
+        m, n, w.in_features, k_per_split, w.group_size, w.zero_offset,
+        x.stride(0), w.qweight.stride(0), w.scales.stride(0), zeros.stride(0), out.stride(0),
+        HAS_ZEROS=w.qzeros is not None, HAS_G_IDX=w.g_idx is not None,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        SPLITS=splits, FUSED_SUM=config.fused_sum,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
     if splits > 1 and not config.fused_sum:
         return sum_splits(part, x.dtype)
     return out

@@ -1,8 +1,7 @@
-"""w4a16_gemm (Triton; the many-row tensor-core kernel, the decode tensor-core kernel and the
-GEMV kernel) against w4a16_gemm_ref over GPTQ packings (symmetric or not, desc_act, v1 zeros,
-one group) and AWQ weights repacked into it, row counts, K splits (fused or by sum_splits) and
-ragged tiles; dequantize_int4 against the weights the test's own packers wrote; the AWQ repack
-against AWQ's own dequantization."""
+"""w4a16_gemm (Triton; the tensor-core and the GEMV kernel) against w4a16_gemm_ref over GPTQ
+packings (symmetric or not, desc_act, v1 zeros, one group) and AWQ weights repacked into it,
+row counts, K splits (fused or by sum_splits) and ragged tiles; dequantize_int4 against the
+weights the test's own packers wrote; the AWQ repack against AWQ's own dequantization."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from kernel_inputs import DEVICE
 from quant_formats import AWQ_ORDER_MAP, quantize_awq, quantize_gptq
 
 from nanopaged.kernels.w4a16_gemm import (
-    M_DECODE,
+    M_GEMV,
     Int4Weight,
     W4A16Config,
     default_config,
@@ -121,7 +120,7 @@ def test_groups_and_rows_with_default_config(kind, group, m):
     w, _ = make_weight(kind, 72, 384, group, seed=group + m)
     w = to_device(w)
     x = torch.randn(m, 384, generator=torch.Generator().manual_seed(m)).to(DEVICE)
-    config = default_config(m, 72, 384, group, num_sms=8, g_idx=kind == "gptq-desc_act")
+    config = default_config(m, 72, 384, group, num_sms=8)
     assert group % config.block_k == 0
     assert_close(w4a16_gemm(x, w, config), w4a16_gemm_ref(x, w))
 
@@ -210,14 +209,12 @@ def test_gemv_fused_sum_resets_its_counters():
         assert int(split_counters(x.device).abs().sum()) == 0
 
 
-def test_default_config_decode_kernel_up_to_m_decode():
-    """Decode rows up to M_DECODE get the decode tensor-core kernel, one row tile for all rows
-    and at least four K steps a split; more rows the many-row kernel."""
-    for m in range(1, 33):
+def test_default_config_gemv_up_to_m_gemv():
+    """Decode rows up to M_GEMV get the GEMV kernel, with one row tile for all rows."""
+    for m in range(1, 17):
         config = default_config(m, 4096, 4096, 128, num_sms=132)
-        assert config.swap_ab == (m <= M_DECODE) and not config.gemv
-        if config.swap_ab:
-            assert config.block_m >= m and 4096 // (config.split_k * config.block_k) >= 4
+        assert config.gemv == (m <= M_GEMV)
+        assert not config.gemv or config.block_m >= m
 
 
 def test_default_config_splits_k_for_few_rows():
@@ -245,54 +242,6 @@ def test_strided_rows():
     wide = torch.randn(4, 96).to(DEVICE)
     x = wide[:, :64]
     assert_close(w4a16_gemm(x, w, W4A16Config(16, 32, 32)), w4a16_gemm_ref(x.contiguous(), w))
-
-
-DECODE_KINDS = ["awq", "gptq-sym", "gptq-asym", "gptq-v2"]  # desc_act: test_desc_act_decode_rows
-# the interpreter has no bf16 (test_kernel_gpu_shapes runs the bf16 launches on a GPU)
-DECODE_DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [torch.float32])
-
-
-@pytest.mark.parametrize("kind", DECODE_KINDS)
-@pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("m", [1, 2, 3, 8, 16, 17])
-def test_decode_kernel_matches_reference(kind, group, m):
-    """The decode tensor-core kernel (swap_ab) over layouts, zeros and symmetric weights, v1
-    zeros, groups and rows up to two row tiles (K = 256 in two splits, fused; n = 40: a ragged
-    column tile), in fp16, and bf16 on a GPU or fp32 in the interpreter (exact to 1e-5)."""
-    w = make_gemv_weight(kind, 40, 256, group, seed=group + m)
-    config = W4A16Config(16, 32, min(group, 64), split_k=2, swap_ab=True)
-    for dtype in DECODE_DTYPES:
-        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
-        assert_close(w4a16_gemm(x, w, config), w4a16_gemm_ref(x, w))
-
-
-@pytest.mark.parametrize(
-    "config",
-    [
-        W4A16Config(16, 16, 32, split_k=3, swap_ab=True),  # a short last split, fused sum
-        W4A16Config(16, 64, 32, split_k=2, fused_sum=False, swap_ab=True),  # by sum_splits
-        W4A16Config(32, 128, 64, split_k=1, swap_ab=True),  # one pass, a tile past the weight
-        W4A16Config(16, 32, 64, split_k=0, swap_ab=True),  # the launcher's split
-    ],
-    ids=str,
-)
-def test_decode_kernel_splits_and_tiles(config):
-    """Splits summed either way, whole tiles past the weight, the launcher's split_k 0."""
-    w = make_gemv_weight("gptq-asym", 72, 320, 64, seed=11)
-    x = torch.randn(5, 320, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.float16)
-    assert_close(w4a16_gemm(x, w, config), w4a16_gemm_ref(x, w))
-
-
-@pytest.mark.parametrize("kind", ["gptq-desc_act", "gptq-desc_act-sym"])
-def test_desc_act_decode_rows(kind):
-    """Weights with g_idx take DESC_ACT_DECODE_TILE at decode rows, never the decode kernel
-    (which needs a tile in one group), and match the reference."""
-    w = make_gemv_weight(kind, 40, 256, 64, seed=4)
-    for m in (1, 16):
-        config = default_config(m, 40, 256, 64, num_sms=8, g_idx=True)
-        assert not config.swap_ab
-        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(DEVICE)
-        assert_close(w4a16_gemm(x, w), w4a16_gemm_ref(x, w))
 
 
 @pytest.mark.gpu
