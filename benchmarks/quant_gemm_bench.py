@@ -124,11 +124,12 @@ def time_kind(kind: str, copies: list, n: int, k: int, m: int, bw: float, config
 
 def candidates(kind: str, m: int) -> list:
     """Launches --tune tries for the Triton kernels: decode tiles of 16 rows with K splits,
-    wider tiles as rows grow (split_k 0 is the launcher's own split); up to M_GEMV rows the
+    wider tiles as rows grow (the launcher's own split is the default's row, timed apart: a
+    candidate names its split, as the kernels' checks want); up to M_GEMV rows the
     W4A16 GEMV kernel too (one row tile; K splits summed by the last split or by a second
     launch), so the table may pick either kernel per shape."""
     if m <= 16:
-        grid = ((16,), (16, 32, 64, 128), (64, 128), (0, 1, 2, 4, 8), (4,), (3, 4))
+        grid = ((16,), (16, 32, 64, 128), (64, 128), (1, 2, 4, 8, 16), (4,), (3, 4))
     elif m <= 64:
         grid = ((32, 64), (64, 128), (64, 128), (1, 2), (4, 8), (3, 4))
     else:
@@ -138,10 +139,10 @@ def candidates(kind: str, m: int) -> list:
     found = [W4A16Config(*launch) for launch in itertools.product(*grid)]
     if m <= w4a16_gemm.M_GEMV:
         rows = next(r for r, _ in w4a16_gemm.DEFAULT_TILES if m <= r)
-        gemv = ((rows,), (256, 512), (32, 64, 128), (0, 4, 8, 16), (4, 8), (2,))
+        gemv = ((rows,), (256, 512), (32, 64, 128), (4, 8, 16, 32), (4, 8), (2,))
         for launch in itertools.product(*gemv):
             found.append(W4A16Config(*launch, gemv=True))
-            if launch[3] == 0:  # the launcher's split summed by sum_splits
+            if launch[3] == 16:  # the splits summed by sum_splits instead
                 found.append(W4A16Config(*launch, gemv=True, fused_sum=False))
     return found
 
