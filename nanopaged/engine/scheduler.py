@@ -12,6 +12,7 @@ from nanopaged.engine.block_manager import BlockManager
 from nanopaged.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from nanopaged.sampling.output import SampleOutput, StepLogprobs
 from nanopaged.sampling.rows import is_early, on_host
+from nanopaged.spec.pacing import DraftPacing
 from nanopaged.spec.stats import SpecStats
 
 if TYPE_CHECKING:
@@ -168,6 +169,7 @@ class Scheduler:
         self._advanced: ScheduledBatch | None = None
         self.num_steps = 0  # steps scheduled with work in them
         self.proposer = proposer
+        self.pacing = DraftPacing()
         self.disable_by_batch_size = disable_by_batch_size
         self.spec_stats = SpecStats()
 
@@ -218,7 +220,7 @@ class Scheduler:
         if self.proposer is not None:
             # A draft model's K/V goes with the target's and is recomputed when it is.
             for seq in seqs:
-                self.proposer.free(seq.seq_id)
+                self._forget_drafts(seq)
         if self.preemption_mode == "swap" and bm.can_swap_out(seqs):
             batch.blocks_to_swap_out.extend(bm.swap_out(seqs))
             for seq in seqs:
@@ -379,19 +381,32 @@ class Scheduler:
 
     # ---- speculative decoding: drafts for the decode rows of a step ----------------------
     def _propose(self, batch: ScheduledBatch) -> None:
-        """Mark the step speculating when few enough sequences run, and give its decode rows
-        the proposer's drafts within the token budget left and the free blocks (fewer drafts
-        where they run short: drafts never preempt)."""
+        """Mark the step speculating when few enough sequences run and a row proposes in it
+        or in the next (spec/pacing.py), and give its decode rows the proposer's drafts within
+        the token budget left and the free blocks (fewer drafts where they run short: drafts
+        never preempt)."""
         limit = self.disable_by_batch_size
         if limit is not None and self.num_running_seqs > limit:
             return
-        batch.speculating = True
+        sampled = [(i, s) for i, s in enumerate(batch.seqs) if batch.samples(i)]
         # A row sampled on the host path (a prompt about to fork into n samples) takes the
         # whole step there: no drafts beside it.
-        if any(on_host(s) for i, s in enumerate(batch.seqs) if batch.samples(i)):
+        if any(on_host(s) for _, s in sampled):
+            batch.speculating = True
             return
         counts = batch.num_scheduled_tokens
-        rows = [i for i, s in enumerate(batch.seqs) if self._may_draft(s, counts[i])]
+        rows, due = [], False
+        for i, seq in sampled:
+            if not self._speculates(seq):
+                continue
+            now, then = self.pacing.step(seq.seq_id)
+            if now and self._may_draft(seq, counts[i]):
+                rows.append(i)
+            else:  # its token (a prompt's first, one still on the device) reaches the host
+                due = due or now or then
+        if not rows and not due:
+            return  # no row proposes in this step or the next: it may run ahead
+        batch.speculating = True
         if not rows:
             return
         seqs = [batch.seqs[i] for i in rows]
@@ -399,6 +414,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens - batch.total_tokens
         drafts: list[list[int]] = [[] for _ in batch.seqs]
         for i, seq, proposal in zip(rows, seqs, proposals):
+            self.pacing.record(seq.seq_id, bool(proposal))
             d = min(len(proposal), self._draft_room(seq), budget)
             if d <= 0:
                 continue
@@ -410,19 +426,31 @@ class Scheduler:
         if any(drafts):
             batch.draft_token_ids = drafts
 
-    def _may_draft(self, seq: Sequence, num_scheduled: int) -> bool:
-        """Whether seq's row this step is a decode row that may carry drafts: its one token to
-        compute is its last, known on the host, and its drafts would be verified from plain
-        logits (no stop tokens masked at any of its positions: min_tokens is reached)."""
+    @staticmethod
+    def _speculates(seq: Sequence) -> bool:
+        """Whether seq's decode rows may carry drafts at all: its class samples from plain
+        logits, and it is not a prompt about to fork or a beam."""
         group = seq.group
+        return seq.row.may_speculate and (
+            group is None or (group.forked and not group.is_beam_search)
+        )
+
+    def _may_draft(self, seq: Sequence, num_scheduled: int) -> bool:
+        """Whether seq's row (one that _speculates) is this step a decode row that may carry
+        drafts: its one token to compute is its last, known on the host, and its drafts
+        would be verified from plain logits (no stop tokens masked at any of its positions:
+        min_tokens is reached)."""
         return (
             num_scheduled == 1
             and seq.pending_row is None
             and seq.num_computed_tokens == len(seq) - 1
-            and seq.row.may_speculate
             and not is_early(seq)
-            and (group is None or (group.forked and not group.is_beam_search))
         )
+
+    def _forget_drafts(self, seq: Sequence) -> None:
+        """Drop the proposer's and the pacing's state of a sequence that finished or left."""
+        self.proposer.free(seq.seq_id)
+        self.pacing.forget(seq.seq_id)
 
     def _draft_room(self, seq: Sequence) -> int:
         """The most drafts seq's row can carry: the proposer's k, no more than would pass
@@ -626,7 +654,7 @@ class Scheduler:
         seq.stop_reason = stop_reason
         self.block_manager.free(seq)
         if self.proposer is not None:
-            self.proposer.free(seq.seq_id)
+            self._forget_drafts(seq)
         group = seq.group
         if group is not None and group.is_finished and group in self.running:
             self.running.remove(group)
@@ -645,7 +673,7 @@ class Scheduler:
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_reason = "abort"
             if self.proposer is not None:
-                self.proposer.free(seq.seq_id)
+                self._forget_drafts(seq)
         group.beams_done = True
         for queue in (self.running, self.swapped, self.waiting):
             if group in queue:
@@ -659,6 +687,7 @@ class Scheduler:
             self.abort(group)
         if self.proposer is not None:
             self.proposer.free_all()  # a sequence a failed step left outside the lists too
+            self.pacing.forget_all()
         return dropped
 
 

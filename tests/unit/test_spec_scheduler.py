@@ -161,3 +161,53 @@ def test_spec_stats_since_and_lengths():
     assert (new.num_verify_rows, new.num_draft_tokens, new.num_accepted_tokens) == (1, 3, 3)
     assert new.acceptance_rate == 1.0 and new.mean_accepted_length == 4.0
     assert before.num_draft_tokens == 0 and "100.0% accepted" in new.describe()
+
+
+def _step(s: Scheduler, *sampled) -> tuple[bool, list[list[int]]]:
+    """Schedule, advance and commit one step; (speculating, its drafts)."""
+    batch = s.schedule()
+    speculating, drafts = batch.speculating, batch.draft_token_ids
+    assert StepRows.of(batch.seqs, speculating).run_ahead == (not speculating)
+    s.advance(batch)
+    s.commit(batch, list(sampled))
+    return speculating, drafts
+
+
+def test_a_row_that_finds_no_draft_waits_and_its_steps_run_ahead():
+    """Misses in a row: waits of 1, 3, then 7 steps (MAX_WAIT); the step before a row
+    proposes again is synchronous, the others run ahead."""
+    s = _sched([])
+    seq = _seq(6, max_tokens=40)
+    _decoding(s, seq)
+    flags = [_step(s, 5)[0] for _ in range(15)]
+    t, f = True, False
+    assert flags == [t, t, t, f, f, t, t, f, f, f, f, f, f, t, t]
+    assert s.spec_stats.num_draft_tokens == 0
+
+
+class ScriptedProposer(FixedProposer):
+    """Proposes, call after call, the next of its scripted proposals."""
+
+    def __init__(self, *proposals: list[int]) -> None:
+        super().__init__(max(proposals, key=len))
+        self.script = list(proposals)
+
+    def propose(self, seqs_tokens, seq_ids):
+        return [self.script.pop(0) for _ in seqs_tokens]
+
+
+def test_found_drafts_end_the_wait_rejected_ones_do_not_start_one_and_leaving_forgets():
+    s = _sched([])
+    s.proposer = ScriptedProposer([], [20, 21], [20, 21], [], [20, 21])
+    seq = _seq(6, max_tokens=40)
+    _decoding(s, seq)
+    assert _step(s, 5) == (True, [])  # found nothing: wait a step
+    assert _step(s, 5) == (True, [])  # waits; synchronous, as the row proposes next
+    assert _step(s, [5]) == (True, [[20, 21]])  # found: no wait, though both were rejected
+    assert _step(s, [20, 5]) == (True, [[20, 21]])
+    assert _step(s, 5) == (True, [])  # one miss after finding: a one-step wait again
+    assert _step(s, 5) == (True, [])
+    assert _step(s, [5]) == (True, [[20, 21]]) and s.proposer.script == []
+    s.pacing.record(seq.seq_id, False)
+    s.finish(seq, "abort")
+    assert s.pacing.step(seq.seq_id) == (True, True)  # no record left
