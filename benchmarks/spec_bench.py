@@ -24,6 +24,10 @@ the mean accepted length.
 Speculation switches off above disable_by_batch_size; here it is set off (None) so that each
 batch size shows what speculating costs or gains there.
 
+--draft-layers N adds a draft_model row whose draft is the model's own first N decoder layers
+(with its embeddings, final norm and LM head: real weights, the same tokenizer), a pair whose
+acceptance can be measured without a second download.
+
 python benchmarks/spec_bench.py --verify-cost --model-shape qwen3-8b [--draft-shape qwen3-0.6b]
                                 [--batch 1 8]
 
@@ -251,6 +255,40 @@ def verify_cost(model_dir: str, batches: list[int], load_format: str,
     return rows
 
 
+def early_exit_draft(model: str, layers: int) -> str:
+    """A draft of real weights for --draft-layers: a copy of model (a checkpoint directory, or
+    a GGUF file, converted) with only its first `layers` decoder layers, its embeddings, final
+    norm and LM head kept, so it shares the tokenizer; in a temporary directory."""
+    import re
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    from nanopaged.gguf import convert_gguf
+
+    src = Path(model)
+    if src.is_file():
+        src = convert_gguf(src)
+    config = json.loads((src / "config.json").read_text())
+    if not 0 < layers < config["num_hidden_layers"]:
+        raise ValueError(f"--draft-layers must be in [1, {config['num_hidden_layers'] - 1}], "
+                         f"got {layers}")  # fmt: skip
+    out = Path(tempfile.mkdtemp(prefix="spec-bench-draft-"))
+    for f in src.iterdir():
+        if f.is_file() and not f.name.startswith(("model", "nanopaged_")):
+            shutil.copy(f, out)
+    (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+    kept = {}
+    for f in src.glob("*.safetensors"):
+        for name, tensor in load_file(f).items():
+            layer = re.match(r"model\.layers\.(\d+)\.", name)
+            if layer is None or int(layer.group(1)) < layers:
+                kept[name] = tensor
+    save_file(kept, out / "model.safetensors")
+    return str(out)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
@@ -261,6 +299,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ngram", nargs="+", default=["4:2:4", "8:1:4"],
                         help="n-gram configurations, each k:prompt_lookup_min:prompt_lookup_max")
     parser.add_argument("--draft", default=None, help="a draft model for a draft_model row")
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="a draft_model row whose draft is the model's first N layers")
     parser.add_argument("--kv-cache-memory", type=int, default=None,
                         help="bytes of KV cache (a draft_model run on a GPU needs it)")
     parser.add_argument("--dtype", default="auto")
@@ -298,6 +338,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.draft:
         configs["draft_model k=4"] = {"method": "draft_model", "model": args.draft,
                                       "num_speculative_tokens": 4}  # fmt: skip
+    if args.draft_layers:
+        draft = early_exit_draft(model, args.draft_layers)
+        configs[f"draft: {args.draft_layers} layers, k=4"] = {
+            "method": "draft_model", "model": draft, "num_speculative_tokens": 4}  # fmt: skip
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     result = {"device": device, "model": model, "max_tokens": args.max_tokens, "runs": {}}
     for _ in range(args.rounds):
