@@ -16,6 +16,7 @@ from tiny_models import FAMILIES, hf_greedy, make_tiny_model
 from nanopaged import LLM, SamplingParams
 from nanopaged.engine.block_manager import hash_block
 from nanopaged.sampling.speculative import DraftStepHandle
+from nanopaged.spec import NgramProposer
 from nanopaged.spec.stops import find_stops_token_by_token
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
@@ -234,6 +235,24 @@ def test_switches_off_above_disable_by_batch_size(tiny):
     spec, llm = run(path, prompts, params, {**NGRAM, "disable_by_batch_size": 4})
     assert tokens(spec) == tokens(base)
     assert llm.spec_stats().num_draft_tokens > 0
+
+
+def test_rows_that_find_no_draft_let_steps_run_ahead(tiny, monkeypatch):
+    """A proposer that finds nothing: its rows wait (spec/pacing.py) and most steps run ahead,
+    as without speculation; the tokens stay the same."""
+    path = tiny["llama"]
+    prompts = prompts_of(7, count=3)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    base, plain = run(path, prompts, params, async_scheduling=True)
+    monkeypatch.setattr(NgramProposer, "propose", lambda self, seqs, ids: [[] for _ in seqs])
+    spec, llm = run(path, prompts, params, NGRAM, async_scheduling=True)
+    assert tokens(spec) == tokens(base)
+    assert llm.spec_stats().num_draft_tokens == 0
+    # 39 decode steps: those that propose (the 1st, 3rd, 7th, 15th, 23rd, ...) and the step
+    # before each are synchronous; the others were planned before their predecessor's
+    # samples (every step but the first, without speculation).
+    ahead = llm.scheduler.num_advanced_steps
+    assert plain.scheduler.num_advanced_steps > ahead > 39 // 2
 
 
 def homogeneity_p(a: torch.Tensor, b: torch.Tensor) -> float:
