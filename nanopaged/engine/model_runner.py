@@ -296,11 +296,10 @@ class ModelRunner:
         """What writes the settings to sample the step inside its decode graph (called once the
         forward pass is queued: the device starts while the host writes them), or None when
         it samples outside. Inside: a graph-replayed decode step whose rows are graph_safe
-        (StepRows), on
-        one GPU, every row sampling in order, and no prompt row scored (its hidden state must
-        leave the graph). A step with drafts (its rows one-token rows, as_decode_rows) draws
-        at every verified position there: its drafts are one-hot, so those draws are all that
-        verification needs (DraftStepHandle.of_draws)."""
+        (StepRows), on one GPU, every row sampling in order, and no prompt row scored (its
+        hidden state must leave the graph). A step with drafts (its rows one-token rows,
+        as_decode_rows) draws at every verified position there: its drafts are one-hot, so
+        those draws are all that verification needs (DraftStepHandle.of_draws)."""
         graphs = self.graphs
         if graphs is None or not graphs.can_sample or not rows.graph_safe:
             return None

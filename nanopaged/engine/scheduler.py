@@ -402,7 +402,8 @@ class Scheduler:
             now, then = self.pacing.step(seq.seq_id)
             if now and self._may_draft(seq, counts[i]):
                 rows.append(i)
-            else:  # its token (a prompt's first, one still on the device) reaches the host
+            else:  # not now (a prompt's last chunk, a token still on the device, min_tokens
+                # not reached, or waiting): if it may propose next, this step is synchronous
                 due = due or now or then
         if not rows and not due:
             return  # no row proposes in this step or the next: it may run ahead
