@@ -131,6 +131,10 @@ class LLMEngine:
         self._in_flight: tuple[ScheduledBatch, StepHandle] | None = None
         # Structured-outputs requests whose grammar is compiling: (group, its Future).
         self._compiling: list[tuple[SequenceGroup, Future]] = []
+        # Sequences whose matchers are moving past their newest tokens (_advance_matchers),
+        # and those whose grammar ended there (_matched), reported with the step's outputs.
+        self._matching: list[Sequence] = []
+        self._grammar_stopped: list[Sequence] = []
         self._num_steps = 0
         self._num_request_ids = 0
         self._num_drawn_seeds = 0
@@ -336,28 +340,36 @@ class LLMEngine:
             self.scheduler.add(group)
         self._compiling = waiting
 
-    def _advance_matchers(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Feed each sequence's new tokens to its grammar's matcher. A grammar that can take
-        nothing more allows EOS alone: a request that ignores EOS finishes there ("stop");
-        returns those it finished."""
-        finished = []
+    def _advance_matchers(self, seqs: list[Sequence]) -> None:
+        """Start feeding each sequence's new tokens to its grammar's matcher, on the grammar
+        backend's thread while the engine goes on; _matched() waits for it."""
         structured = self.runner.sampler.structured
         if structured is None:  # no request ever had a grammar
-            return finished
-        advanced, rows = [], []
+            return
+        rows = []
         for seq in seqs:
             if seq.matcher is None or seq.is_finished:
                 continue
             new = seq.token_ids[seq.num_prompt_tokens + seq.num_matched :]
             seq.num_matched += len(new)
-            advanced.append(seq)
+            self._matching.append(seq)
             rows.append((seq.matcher, new))
         structured.accept(rows)  # one token each, in parallel on llguidance's threads
-        for seq in advanced:
-            if seq.sampling_params.ignore_eos and seq.matcher.is_terminated():
+
+    def _matched(self) -> None:
+        """Wait for the matchers _advance_matchers() moved on, before anything reads them (the
+        next sampler's masks, a fork). A grammar that can take nothing more allows EOS alone:
+        a request that ignores EOS finishes there ("stop"), reported with this step's
+        outputs; a step launched since drops its token."""
+        seqs, self._matching = self._matching, []
+        if not seqs:
+            return
+        self.runner.sampler.structured.wait()
+        for seq in seqs:
+            if (not seq.is_finished and seq.sampling_params.ignore_eos
+                    and seq.matcher.is_terminated()):  # fmt: skip
                 self.scheduler.finish(seq, "stop", None)
-                finished.append(seq)
-        return finished
+                self._grammar_stopped.append(seq)
 
     def new_request_id(self) -> str:
         """A request id no running request has."""
@@ -453,8 +465,9 @@ class LLMEngine:
         self._admit_compiled()
         launched, self._in_flight = self._in_flight, None
         if launched is None:
+            self._matched()  # before scheduling, which may preempt a sequence it finishes
             if not self.scheduler.has_unfinished():
-                return [], []
+                return [], self._ended([], [])
             launched = self._launch()
             if launched is None:
                 raise RuntimeError("the scheduler could not make progress")  # invariant
@@ -470,6 +483,7 @@ class LLMEngine:
         )
         ahead = self.may_run_ahead(batch, handle)
         if not ahead:  # a deferred sampler reads its sequences as they are now
+            self._matched()
             handle = handle.sampled()
         self.scheduler.advance(batch)
         if ahead:  # plan and launch the next step while this one runs on the device
@@ -478,19 +492,24 @@ class LLMEngine:
         step = self.scheduler.commit(
             batch, handle.result(), handle.logprobs(), handle.prompt_logprobs()
         )
-        stopped = self._advance_matchers(step.grown) + self._check_stop_strings(
-            step.grown, step.num_new_tokens
-        )
+        self._advance_matchers(step.grown)
+        stopped = self._check_stop_strings(step.grown, step.num_new_tokens)
         self.rates.add(batch.total_tokens - num_decode, num_decode)
-        # Two samples of one request can both stop here: each request once.
-        done = {g.request_id: g for g in step.finished_groups}
-        done.update((s.group.request_id, s.group) for s in stopped if s.group.is_finished)
-        finished = [self.requests.pop(rid) for rid in done if rid in self.requests]
+        finished = self._ended(step.finished_groups, stopped)
         grown_ids = dict.fromkeys(s.group.request_id for s in step.grown)
         grown = [self.requests[rid] for rid in grown_ids if rid in self.requests]
         if not self.requests:
             self._drain()
         return grown, finished
+
+    def _ended(self, groups: list[SequenceGroup], stopped: list[Sequence]) -> list[RunningRequest]:
+        """The requests that ended: groups that finished, and those of sequences that stopped
+        (here, or at their grammar's end in _matched) where that finished the group. Each once
+        (two samples of one request can both stop in a step); they leave the engine."""
+        stopped, self._grammar_stopped = self._grammar_stopped + stopped, []
+        done = {g.request_id: g for g in groups}
+        done.update((s.group.request_id, s.group) for s in stopped if s.group.is_finished)
+        return [self.requests.pop(rid) for rid in done if rid in self.requests]
 
     def _launch(self, prev: StepHandle | None = None) -> tuple[ScheduledBatch, StepHandle] | None:
         """Schedule a step and queue it on the device (None: nothing to run). prev: the step
@@ -503,6 +522,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         prepared = self.runner.prepare(batch) if batch.seqs else None
         if prev is not None:
+            # Planned ahead, so nothing was preempted (Scheduler.can_look_ahead) while the
+            # matchers moved on.
+            self._matched()
             prev = prev.sampled()
         if prepared is None:
             return None
@@ -511,6 +533,7 @@ class LLMEngine:
     def _drain(self) -> None:
         """Wait out a step launched ahead whose sequences have all ended: its tokens are
         dropped, and nothing of it may still be copying when the engine goes idle."""
+        self._matched()
         if self._in_flight is not None:
             (_, handle), self._in_flight = self._in_flight, None
             handle.sampled().result()
@@ -519,6 +542,9 @@ class LLMEngine:
         """After a failed or interrupted step: drop every request and free every block."""
         self._in_flight = None
         self._compiling = []
+        self._matching, self._grammar_stopped = [], []
+        if self.runner.sampler.structured is not None:
+            self.runner.sampler.structured.wait()
         self.requests.clear()
         self.scheduler.abort_all()
         # No request outlives this, so no block may stay held, even one that a step cut

@@ -537,7 +537,10 @@ class Scheduler:
         beam_results: dict[int, list[tuple[Sequence, SampleOutput]]] = {}
         for i, seq in enumerate(batch.seqs):
             row = seq.pending_row
-            if row is None:
+            if row is None or seq.is_finished:
+                # Finished since this step was advanced (its grammar ended): its sample is
+                # dropped, and its row still counts in len(), as the step launched after this
+                # one counted it (advance lines that step's rows up by it).
                 continue
             seq.pending_row = None
             out = sampled[row]

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -15,17 +16,22 @@ from nanopaged.structured.matcher import GrammarMatcher
 from nanopaged.structured.stats import StructuredStats
 from nanopaged.structured.tokenizer import structured_tokenizer
 
+# The interpreter's GIL switch interval while matchers advance on the backend's thread. That
+# thread needs the GIL for a few microseconds between llguidance's calls; at Python's default
+# (5 ms) it waited that long for the engine's thread, which runs Python all the while.
+ADVANCE_SWITCH_INTERVAL_S = 5e-5
+
 
 class StructuredBackend:
     """Grammars for one model's tokenizer: validate and compile specs (a thread pool, cached by
     spec), and fill the packed bitmasks of many matchers at once (llguidance's threads).
 
-    Masks are filled ahead: once accept() moved a step's matchers on, their next masks are
-    filled into a host buffer (the stage) at once, before the engine finishes the step;
-    masks() then hands them out, filling only the matchers not covered (new sequences,
-    preempted ones back). The fill runs on llguidance's threads without the GIL; on a thread
-    of the engine's own it waited for the GIL while the engine ran Python (1.22 ms a step
-    against 0.36 ms inline, bench.py --sampling on an H200).
+    Masks are filled ahead: accept() hands a step's tokens to a thread of the backend's, which
+    advances the matchers and fills their next masks into a host buffer (the stage) on
+    llguidance's threads, without the GIL, while the engine finishes the step and plans the
+    next. wait() joins it; masks() waits for it, then hands the staged rows out, filling only
+    the matchers not covered (new sequences, preempted ones back). No other call may touch
+    the matchers of an accept() in between.
     """
 
     def __init__(
@@ -52,6 +58,9 @@ class StructuredBackend:
         # The copy out of the stage that the sampler queued last (CUDA event; None: none
         # pending). The stage is written again only once it is done.
         self.stage_read: torch.cuda.Event | None = None
+        self._advancing = ThreadPoolExecutor(1, thread_name_prefix="nanopaged-matchers")
+        self._advance: Future | None = None  # the accept() in flight
+        self._switch_interval = sys.getswitchinterval()  # the interpreter's, restored by wait()
 
     @staticmethod
     def validate(spec: StructuredOutputsParams) -> None:
@@ -71,10 +80,29 @@ class StructuredBackend:
         self.filler.fill(rows, bitmask)
 
     def accept(self, rows: Sequence[tuple[GrammarMatcher, list[int]]]) -> None:
-        """Advance each (matcher, tokens)'s matcher past its tokens: those with one token (a
-        decode step's) in parallel, the others in turn. A token that breaks a grammar leaves
-        its matcher in the error state, which allows EOS alone. Then their next masks are
-        filled ahead."""
+        """Start advancing each (matcher, tokens)'s matcher past its tokens, then filling their
+        next masks ahead, on the backend's thread (see the class). wait() joins it."""
+        self.wait()
+        if not rows:
+            return
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval, ADVANCE_SWITCH_INTERVAL_S))
+        self._advance = self._advancing.submit(self._accept, list(rows))
+
+    def wait(self) -> None:
+        """Wait for the last accept(); raises what it raised."""
+        advance, self._advance = self._advance, None
+        if advance is None:
+            return
+        try:
+            advance.result()
+        finally:
+            sys.setswitchinterval(self._switch_interval)
+
+    def _accept(self, rows: list[tuple[GrammarMatcher, list[int]]]) -> None:
+        """accept()'s work: those with one token (a decode step's) in parallel, the others in
+        turn. A token that breaks a grammar leaves its matcher in the error state, which
+        allows EOS alone. Then their next masks are filled ahead."""
         started = time.perf_counter()
         single = [(m, tokens[0]) for m, tokens in rows if len(tokens) == 1]
         for matcher, _ in single:
@@ -107,6 +135,7 @@ class StructuredBackend:
         matcher's row in them). Rows filled ahead at the matcher's version are used as they
         are; the others are filled now, in parallel, in the rows after them.
         pin: the host rows in page-locked memory (for copies to a GPU), from now on."""
+        self.wait()
         if pin != self.pin:
             self.pin, self._stage, self._staged = pin, None, {}
         rows, missing = [], []
@@ -132,5 +161,9 @@ class StructuredBackend:
         return self._stage[:need], rows
 
     def close(self) -> None:
-        """Stop the compile threads."""
-        self.compiler.close()
+        """Stop the compile threads and the matchers' thread."""
+        try:
+            self.wait()
+        finally:
+            self._advancing.shutdown()
+            self.compiler.close()

@@ -280,6 +280,7 @@ def test_batch_accept_equals_one_by_one(backend, hf_tokenizer):
         batch.append(a)
         alone.append(b)
     backend.accept(rows)
+    backend.wait()  # accept() returns while the matchers move on, on the backend's thread
     for a, b in zip(batch, alone):
         assert torch.equal(mask_of(a, backend.num_words), mask_of(b, backend.num_words))
         assert (a.error is None) == (b.error is None)
@@ -357,6 +358,7 @@ def test_masks_filled_ahead_equal_masks_filled_now(backend, hf_tokenizer):
     a, b, c, d = (compiled.matcher() for _ in range(4))
     tokens = backend_ids(backend, '{"name": "Al')
     backend.accept([(a, tokens[:1]), (b, tokens[:2]), (c, tokens[:1])])
+    backend.wait()
     assert not a.is_terminated()
     c.accept(tokens[1])  # moves on: its staged mask is stale
     words, rows = backend.masks([d, c, b, a])
