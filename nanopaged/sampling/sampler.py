@@ -50,7 +50,6 @@ class Sampler:
         # constrained request joins), which holds the host rows their masks are filled into.
         self.structured: StructuredBackend | None = None
         self._masks_copied: torch.cuda.Event | None = None  # the last copy of host masks
-        self._copy_stream: torch.cuda.Stream | None = None
 
     @staticmethod
     def rows(seqs: list[Sequence], speculating: bool = False) -> StepRows:
@@ -219,23 +218,16 @@ class Sampler:
 
     def _copy_masks(self, words: torch.Tensor, index: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """The host masks on the device. On CUDA the copy runs on a stream of its own, beside
-        the forward pass queued before it (several MB at a large vocabulary), and the step's
-        sampler waits for it."""
+        """The host masks on the device, queued after the forward pass on the step's stream,
+        where the sampler reads them. (A stream of their own let the copy start sooner; the
+        host time it took to switch streams every step did not pay: a constrained step is
+        bound by the host, and the same within noise either way on an H100.)"""
         if not platform_of(self.device).gpu:
             return words, index
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        main = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self._copy_stream):
-            words = words.to(self.device, non_blocking=True)
-            index = index.to(self.device, non_blocking=True)
-            self._masks_copied = torch.cuda.Event()
-            self._masks_copied.record()
-        main.wait_stream(self._copy_stream)
-        # Made on the copy stream, read on the main one: not reused before the main one is done.
-        words.record_stream(main)
-        index.record_stream(main)
+        words = words.to(self.device, non_blocking=True)
+        index = index.to(self.device, non_blocking=True)
+        self._masks_copied = torch.cuda.Event()
+        self._masks_copied.record()
         return words, index
 
     def _sample_logits(
