@@ -1,11 +1,14 @@
 """Decode steps replayed from CUDA graphs captured per batch-size bucket: the forward pass,
-then (for steps that sample nothing but one plain token per row) the LM head and the sampler."""
+then (for steps that sample one token per row, plain or under a grammar's mask) the LM head
+and the sampler."""
 
 from __future__ import annotations
 
 import bisect
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
+from itertools import product
 
 import numpy as np
 import torch
@@ -16,11 +19,12 @@ from nanopaged.sampling.ops import (
     SAMPLER_PATHS,
     SamplingTensors,
     SlotSettings,
+    TokenMask,
     sample,
     sampler_path,
     with_path,
 )
-from nanopaged.sampling.output import DeviceSamples
+from nanopaged.sampling.output import DeviceSamples, GraphSampler
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -37,10 +41,12 @@ class DecodeGraphs:
     enough for any step up to max_model_len, padded rows storing and reading nothing.
 
     With lm_head (hidden [rows, hidden_size] -> logits [rows, vocab]), each bucket also holds
-    one captured sampler per path of SAMPLER_PATHS: hidden -> logits -> token ids and each
-    token's logit (DeviceSamples), reading its per-row settings from `slots` (persistent;
-    padded rows greedy). A step that samples in the graph replays its forward and then its
-    sampler, with no Python in between.
+    two captured samplers per path of SAMPLER_PATHS, plain and masked: hidden -> logits ->
+    token ids and each token's logit (DeviceSamples), reading its per-row settings from
+    `slots` (persistent; padded rows greedy), the masked one also structured outputs' masks
+    from `mask_words` / `mask_rows`. A plain step replays its forward and then its sampler,
+    with no Python in between; a masked step replays its sampler once its masks are known
+    (GraphSampler).
     """
 
     def __init__(
@@ -53,6 +59,7 @@ class DecodeGraphs:
         dtype: torch.dtype,
         device: torch.device,
         lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        vocab_size: int = 0,
         *,
         backend: AttentionBackend,
     ) -> None:
@@ -72,7 +79,13 @@ class DecodeGraphs:
         # capture reuses them).
         self.tokens = torch.zeros(max_bs, dtype=torch.long, device=device)
         self.sampled_logits = torch.zeros(max_bs, dtype=torch.float32, device=device)
-        self.samplers: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        # The masks the masked samplers read: words [2 * max_bs, ceil(vocab / 32)] (room for
+        # the host's staged rows, StructuredBackend.masks) and each row's mask (-1: none).
+        self.mask_words = torch.zeros(2 * max_bs if lm_head else 0, (vocab_size + 31) // 32,
+                                      dtype=torch.int32, device=device)  # fmt: skip
+        self.mask_rows = torch.full((max_bs,), -1, dtype=torch.int32, device=device)
+        # (bucket, path, masked) -> its captured sampler
+        self.samplers: dict[tuple[int, str, bool], torch.cuda.CUDAGraph] = {}
         self.sampled_steps: Counter[str] = Counter()  # per sampler path: steps sampled here
 
     def _meta(self, bs: int) -> AttentionMetadata:
@@ -92,21 +105,22 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[bs] = graph
             if self.lm_head is not None:
-                for path in SAMPLER_PATHS:
+                for path, masked in product(SAMPLER_PATHS, (False, True)):
                     st = with_path(self.slots.view(bs), path)
-                    self._sample(bs, st)  # compiles this batch size's kernels
+                    self._sample(bs, st, masked)  # compiles this batch size's kernels
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
-                        self._sample(bs, st)
-                    self.samplers[bs, path] = graph
+                        self._sample(bs, st, masked)
+                    self.samplers[bs, path, masked] = graph
         torch.cuda.synchronize()
 
-    def _sample(self, bs: int, st: SamplingTensors) -> None:
+    def _sample(self, bs: int, st: SamplingTensors, masked: bool) -> None:
         # The LM head runs as in eager steps (cuBLAS): the skinny kernel is tuned for the
         # layers' shapes, not a 150k-row vocabulary.
         logits = self.lm_head(self.hidden[:bs])
-        tokens = sample(logits, st).token_ids
+        mask = TokenMask(self.mask_words, self.mask_rows[:bs]) if masked else None
+        tokens = sample(logits, st, mask=mask).token_ids
         self.tokens[:bs] = tokens
         self.sampled_logits[:bs] = logits.gather(1, tokens[:, None])[:, 0]
 
@@ -126,11 +140,13 @@ class DecodeGraphs:
         context_lens: np.ndarray,
         pending: tuple[torch.Tensor | None, torch.Tensor] | None = None,
         sampling: Callable[[], SamplingTensors] | None = None,
-    ) -> torch.Tensor | DeviceSamples:
+        masked: bool = False,
+    ) -> torch.Tensor | DeviceSamples | GraphSampler:
         """One decode step for len(input_ids) sequences; returns hidden [batch, hidden_size],
         or with sampling (called once the forward pass is queued; it writes the settings into
         self.slots, as sampling_tensors(into=self.slots) does, and returns them) the samples:
-        token ids [batch] int64 and their logits [batch] fp32.
+        token ids [batch] int64 and their logits [batch] fp32. masked: the rows have grammar
+        masks; their sampler is returned, to replay once the masks are in its buffers.
 
         pending: (rows, token ids) already on the device that overwrite those input ids; rows
         None: the token ids are all of them, in order.
@@ -151,7 +167,15 @@ class DecodeGraphs:
         settings = sampling()
         assert settings.temperatures.data_ptr() == self.slots.values.data_ptr()
         path = sampler_path(settings)
-        self.samplers[bucket, path].replay()
+        if masked:
+            # Nothing replays a forward pass in between: the sampler's replay comes before the
+            # next step's (LLMEngine._launch).
+            replay = partial(self._replay_sampler, bucket, bs, path, True)
+            return GraphSampler(self.mask_words, self.mask_rows[:bs], replay)
+        return self._replay_sampler(bucket, bs, path, False)
+
+    def _replay_sampler(self, bucket: int, bs: int, path: str, masked: bool) -> DeviceSamples:
+        self.samplers[bucket, path, masked].replay()
         self.sampled_steps[path] += 1
         # The tokens are a copy: the next replay overwrites the buffer, and the step's tokens
         # are read later (the next steps' input ids and penalty counts take them from the

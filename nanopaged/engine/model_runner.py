@@ -43,7 +43,7 @@ from nanopaged.models import build_model
 from nanopaged.models.llama import checkpoint_shapes
 from nanopaged.platform import platform_of, synchronize, to_device
 from nanopaged.sampling.ops import SamplingTensors
-from nanopaged.sampling.output import DeviceSamples, SampleOutput, StepHandle
+from nanopaged.sampling.output import DeviceSamples, GraphSampler, SampleOutput, StepHandle
 from nanopaged.sampling.prompt_logprobs import PromptScores, score_prompt_rows
 from nanopaged.sampling.rows import StepRows
 from nanopaged.sampling.sampler import Sampler
@@ -170,7 +170,7 @@ class ModelRunner:
                 self.model_config.hidden_size, self.dtype, self.device,
                 # One GPU: the LM head and the sampler inside the graphs too.
                 lm_head=self.model.compute_logits if self.tp.size == 1 else None,
-                backend=self.backend,
+                vocab_size=self.model_config.vocab_size, backend=self.backend,
             )  # fmt: skip
             self.graphs.capture()
         if self.tp.rank == 0:
@@ -359,7 +359,7 @@ class ModelRunner:
             self.workers.publish(step)  # tensor parallel: every rank runs the same step
         drafts = batch.sampled_drafts() if batch.draft_token_ids else None
         in_graph = self._graph_sampling(step, sampled_seqs, rows, drafts)
-        logits, prompt = self.execute(step, prev, in_graph)
+        logits, prompt = self.execute(step, prev, in_graph, masked=rows.constrained)
         if self.workers is not None:
             self.workers.step_done()
         pending = None if prev is None else prev.tokens
@@ -370,22 +370,25 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, step: StepInputs, prev: StepHandle | None,
-        sampling: Callable[[], SamplingTensors] | None = None,
-    ) -> tuple[torch.Tensor | DeviceSamples | None, PromptScores | None]:  # fmt: skip
+        sampling: Callable[[], SamplingTensors] | None = None, masked: bool = False,
+    ) -> tuple[torch.Tensor | DeviceSamples | GraphSampler | None,
+               PromptScores | None]:  # fmt: skip
         """Block ops and the forward pass of one step, then its prompt rows scored (every rank
         takes part). On rank 0: its logits rows to sample ([rows, vocab] in the model's dtype:
         the sampler reads them as they are, and bf16/fp16 -> fp32 is exact), or the rows'
         samples when step.samples_sharded or with sampling (from _graph_sampling: sampled
-        inside the decode graph), None when nothing samples; and the prompt rows' results
-        (None without any). Other ranks get (None, None)."""
+        inside the decode graph; masked: the graph's sampler, to replay once the grammar
+        masks are known), None when nothing samples; and the prompt rows' results (None
+        without any). Other ranks get (None, None)."""
         # Swaps and copy-on-write copies go before the forward (and outside any CUDA graph).
         run_block_ops(self.kv_cache, self.cpu_kv_cache, step.blocks_to_swap_out,
                       step.blocks_to_swap_in, step.blocks_to_copy)  # fmt: skip
         pending = pending_ids(step, None if prev is None else prev.tokens, self.tp, self.device)
         if self._graph_decode(step):
             out = self.graphs.run(step.input_ids, step.positions, step.slots, step.tables,
-                                  step.context_lens, pending=pending, sampling=sampling)
-            if isinstance(out, DeviceSamples):
+                                  step.context_lens, pending=pending, sampling=sampling,
+                                  masked=masked)  # fmt: skip
+            if not isinstance(out, torch.Tensor):
                 return out, None  # sampled in the graph; no prompt row (see _graph_sampling)
             hidden = out
         else:

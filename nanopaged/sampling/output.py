@@ -68,6 +68,17 @@ class DeviceSamples:
 
 
 @dataclass
+class GraphSampler:
+    """A decode graph's masked sampler (DecodeGraphs.run), its forward pass queued: replay()
+    queues the sampler once the rows' masks are in `words` (mask rows) and `rows` (each row's
+    mask, -1: none), the graph's own buffers."""
+
+    words: torch.Tensor  # [capacity, ceil(vocab / 32)] int32
+    rows: torch.Tensor  # [rows] int32
+    replay: Callable[[], DeviceSamples]
+
+
+@dataclass
 class SampleOutput:
     """One sequence's logits row turned into tokens.
 

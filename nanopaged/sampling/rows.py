@@ -96,11 +96,12 @@ class StepRows:
 
     # Some row takes the host path: the step returns SampleOutputs and runs synchronously.
     host: bool
-    # Every row samples one plain token from its own logits with no logprobs, penalties or
-    # masks: the sampler may run inside the decode graph.
+    # Every row samples one token from its own logits with no logprobs, penalties or
+    # min_tokens mask: the sampler may run inside the decode graph (with grammar masks, once
+    # they are known: DecodeGraphs).
     graph_safe: bool
-    # graph_safe and every row greedy or by temperature alone: tensor-parallel ranks may
-    # sample their own vocabulary shards (sampling/sharded.py).
+    # graph_safe, no grammar, and every row greedy or by temperature alone: tensor-parallel
+    # ranks may sample their own vocabulary shards (sampling/sharded.py).
     shardable: bool
     # The next step may be planned and launched before this one's samples reach the host:
     # they stay on the device (no host path) and the step does not speculate (the next step's
@@ -128,11 +129,11 @@ class StepRows:
             filtered = filtered or row.top_k or row.top_p or row.min_p
             widths.append(row.logprobs)
         logprobs = any(w is not None for w in widths)
-        graph_safe = bool(seqs) and not (host or penalties or early or logprobs or constrained)
+        graph_safe = bool(seqs) and not (host or penalties or early or logprobs)
         return cls(
             host=host,
             graph_safe=graph_safe,
-            shardable=graph_safe and not filtered,
+            shardable=graph_safe and not (filtered or constrained),
             run_ahead=not (host or speculating),
             constrained=constrained,
             penalties=penalties,

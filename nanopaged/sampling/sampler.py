@@ -25,7 +25,7 @@ from nanopaged.sampling.ops import (
     sampling_tensors,
     with_path,
 )
-from nanopaged.sampling.output import DeviceSamples, StepHandle
+from nanopaged.sampling.output import DeviceSamples, GraphSampler, StepHandle
 from nanopaged.sampling.penalties import PenaltyCounts, mask_early_stops, penalize
 from nanopaged.sampling.rows import StepRows, row_stream
 from nanopaged.sampling.speculative import DraftStepHandle, verify_drafts
@@ -131,8 +131,10 @@ class Sampler:
             return self.sample_drafts(logits, seqs, rows, drafts, eos_token_ids)
         if not rows.constrained:
             return self._sample(logits, seqs, rows, pending, eos_token_ids)
-        assert isinstance(logits, torch.Tensor), "masked rows sample outside the graphs"
-        if rows.host:  # synchronous (not run_ahead): the sequences wait for it as they are
+        if isinstance(logits, GraphSampler):  # the decode graph's, its settings written
+            handle = StepHandle.deferred(lambda: self._finish(self._replay(logits, seqs), seqs,
+                                                              rows))  # fmt: skip
+        elif rows.host:  # synchronous (not run_ahead): the sequences wait for it as they are
             handle = StepHandle.deferred(
                 lambda: self._sample(logits, seqs, rows, pending, eos_token_ids)
             )
@@ -193,15 +195,25 @@ class Sampler:
         handle.seqs = seqs
         return handle
 
-    def token_mask(self, seqs: list[Sequence]) -> TokenMask | None:
+    def _replay(self, sampler: GraphSampler, seqs: list[Sequence]) -> StepHandle:
+        """A decode graph's masked sampler, replayed once the rows' masks are in its buffers."""
+        self.token_mask(seqs, into=sampler)
+        samples = sampler.replay()
+        return StepHandle.copy_to_host(samples.token_ids, sampled_logits=samples.sampled_logits)
+
+    def token_mask(self, seqs: list[Sequence], into: GraphSampler | None = None
+                   ) -> TokenMask | None:  # fmt: skip
         """The allowed tokens of the rows whose sequence has a grammar, on the logits' device;
         None when no row has one. Most were filled on the host while the engine finished the
         previous step (StructuredBackend.fill_ahead); the rest are filled now, while the device
         runs this step's forward pass. A sequence that finished while the step was in flight
-        drops its row's token: its row is left unmasked, its matcher unread."""
+        drops its row's token: its row is left unmasked, its matcher unread.
+        into: a decode graph's sampler, whose buffers take the masks (then None is returned)."""
         matched = [(s.matcher, i) for i, s in enumerate(seqs)
                    if s.matcher is not None and not s.is_finished]  # fmt: skip
         if not matched:
+            if into is not None:
+                into.rows.fill_(-1)
             return None
         started = time.perf_counter()
         gpu = platform_of(self.device).gpu
@@ -210,22 +222,30 @@ class Sampler:
         for (_, i), k in zip(matched, slots):
             rows[i] = k
         index = pinned(torch.tensor(rows, dtype=torch.int32))
-        words, index = self._copy_masks(host, index)
+        words, index = self._copy_masks(host, index, into)
         # The next fill writes the host rows again once this copy has read them.
         self.structured.stage_read = self._masks_copied if gpu else None
         self.structured.stats.add_mask_time(started)
         return TokenMask(words, index)
 
-    def _copy_masks(self, words: torch.Tensor, index: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """The host masks on the device, queued after the forward pass on the step's stream,
-        where the sampler reads them. (A stream of their own let the copy start sooner; the
-        host time it took to switch streams every step did not pay: a constrained step is
-        bound by the host, and the same within noise either way on an H100.)"""
+    def _copy_masks(
+        self, words: torch.Tensor, index: torch.Tensor, into: GraphSampler | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host masks on the device (into a decode graph's buffers), queued after the
+        forward pass on the step's stream, where the sampler reads them. (A stream of their
+        own let the copy start sooner; the host time it took to switch streams every step did
+        not pay: a constrained step is bound by the host, and the same within noise either way
+        on an H100.)"""
         if not platform_of(self.device).gpu:
             return words, index
-        words = words.to(self.device, non_blocking=True)
-        index = index.to(self.device, non_blocking=True)
+        if into is not None:
+            assert len(words) <= len(into.words), (words.shape, into.words.shape)
+            into.words[: len(words)].copy_(words, non_blocking=True)
+            into.rows.copy_(index, non_blocking=True)
+            words, index = into.words, into.rows
+        else:
+            words = words.to(self.device, non_blocking=True)
+            index = index.to(self.device, non_blocking=True)
         self._masks_copied = torch.cuda.Event()
         self._masks_copied.record()
         return words, index

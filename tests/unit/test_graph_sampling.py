@@ -23,7 +23,7 @@ from nanopaged.sampling.ops import (
     with_path,
 )
 from nanopaged.sampling.rows import StepRows
-from nanopaged.sampling_params import BeamSearchParams
+from nanopaged.sampling_params import BeamSearchParams, StructuredOutputsParams
 
 SLOTS = 8
 
@@ -178,6 +178,19 @@ def test_rows_that_need_more_than_a_token_sample_outside(runner, graphs, params)
     # min_tokens reached: the row is plain again.
     if params.min_tokens:
         assert _in_graph(runner, _decode_step(1), _seqs(params, outputs=4)) is not None
+
+
+def test_rows_with_a_grammar_sample_in_the_graph_but_not_on_shards(runner, graphs):
+    # The masked sampler replays once the masks are known (DecodeGraphs.run(masked=True));
+    # with min_tokens still masking EOS the row samples outside, as any such row does.
+    grammar = StructuredOutputsParams(regex="[a-f]{1,12}")
+    seqs = _seqs(SamplingParams(temperature=0.7),
+                 SamplingParams(temperature=0, structured_outputs=grammar))  # fmt: skip
+    rows = StepRows.of(seqs)
+    assert rows.constrained and rows.graph_safe and not rows.shardable
+    assert _in_graph(runner, _decode_step(2), seqs) is not None
+    early = _seqs(SamplingParams(min_tokens=4, structured_outputs=grammar))
+    assert _in_graph(runner, _decode_step(1), early) is None
 
 
 def test_forks_and_beams_sample_outside(runner, graphs):
