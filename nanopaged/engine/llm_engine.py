@@ -8,6 +8,7 @@ requests that moved; abort_request drops requests and frees their blocks.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import time
@@ -544,7 +545,10 @@ class LLMEngine:
         self._compiling = []
         self._matching, self._grammar_stopped = [], []
         if self.runner.sampler.structured is not None:
-            self.runner.sampler.structured.wait()
+            # Nothing may still move the matchers. An error of theirs goes with the one being
+            # raised (the engine's, or theirs re-raised by _matched).
+            with contextlib.suppress(Exception):
+                self.runner.sampler.structured.wait()
         self.requests.clear()
         self.scheduler.abort_all()
         # No request outlives this, so no block may stay held, even one that a step cut

@@ -199,6 +199,33 @@ def test_abort_while_a_constrained_step_is_in_flight(byte_llama):
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
+def test_an_error_on_the_matchers_thread_surfaces_and_the_llm_stays_usable(byte_llama):
+    # The matchers advance on the grammar backend's thread while the engine plans the next
+    # step: an error there is raised by the step that waits for them, every request is
+    # dropped, and the next generate runs as on a fresh LLM.
+    prompts = _prompts(3, seed=5)
+    params = [SamplingParams(temperature=0.9, seed=30 + i, max_tokens=24,
+                             structured_outputs=_spec(i)) for i in range(len(prompts))]  # fmt: skip
+    expected = _outputs(_llm(byte_llama, True).generate(prompts, params, use_tqdm=False))
+    llm = _llm(byte_llama, True)
+    llm.generate(prompts[:1], params[:1], use_tqdm=False)  # the backend exists from here on
+    filler = llm.runner.sampler.structured.filler
+    accept_one, calls = filler.accept_one, []
+
+    def broken(rows):
+        calls.append(len(rows))
+        if len(calls) == 3:
+            raise RuntimeError("the matchers broke")
+        return accept_one(rows)
+
+    filler.accept_one = broken
+    with pytest.raises(RuntimeError, match="the matchers broke"):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    assert _outputs(llm.generate(prompts, params, use_tqdm=False)) == expected
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_cuda_constrained_steps_run_ahead_and_equal_sync(byte_llama, enforce_eager):
