@@ -96,6 +96,11 @@ class AttentionBackend(ABC):
         """One layer's rotary (after the q/k norms, when given), K/V store and attention over
         layer's cache: [num_tokens, num_heads, head_dim]."""
 
+    def compile_ahead(self, layer: Attention, dtype: torch.dtype) -> None:
+        """Compile now the kernel variants a run may first ask for mid-run (layer: one of the
+        model's attention layers, its cache bound; dtype: the model's). None by default."""
+        return None
+
     def graph_capture(self) -> contextlib.AbstractContextManager:
         """The context the decode graphs warm up and capture in (a replay runs no Python)."""
         return contextlib.nullcontext()

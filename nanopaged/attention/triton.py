@@ -49,6 +49,11 @@ class TritonAttention(AttentionBackend):
     def __init__(self) -> None:
         self.ops = triton_ops()
 
+    def compile_ahead(self, layer: Attention, dtype: torch.dtype) -> None:
+        cache = layer.k_cache
+        paged_decode.compile_merge_variants(layer.num_heads, layer.head_dim, dtype, cache.dtype,
+                                            cache.device)  # fmt: skip
+
     def prepare_metadata(
         self, host: HostArrays, device: torch.device
     ) -> tuple[torch.Tensor, TritonMetadata]:

@@ -177,6 +177,7 @@ class ModelRunner:
             self.sampler.warm_up(self.dtype)
         if self.platform.gpu:
             self._compile_prefill()
+            self.backend.compile_ahead(self.attention_layers[0], self.dtype)
         if self.num_blocks > 1:
             # The copy-on-write kernel (the first fork of n > 1 or a beam would compile it
             # mid-run): block 0 onto block 1, before any block holds a token.

@@ -507,6 +507,27 @@ def choose_num_splits(
     return max(1, min(splits, max_tiles, 64))
 
 
+def compile_merge_variants(
+    num_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype,
+    device: torch.device,
+) -> None:  # fmt: skip
+    """Compile the split merge for each split count choose_num_splits can pick (SPLITS_PAD 2
+    to 64) now: a mixed step's batch and context pick their own, and one first picked inside a
+    run compiled there (bench.py --sampling reported it in a timed run)."""
+    block_n = decode_config(head_dim, dtype, kv_dtype)[0]
+    out = torch.empty(1, num_heads, head_dim, dtype=dtype, device=device)
+    context_lens = torch.ones(1, dtype=torch.int32, device=device)
+    pad = 2
+    while pad <= 64:
+        part_out = torch.zeros(1, num_heads, pad, head_dim, dtype=torch.float32, device=device)
+        part_lse = torch.zeros(1, num_heads, pad, dtype=torch.float32, device=device)
+        _merge_splits_kernel[(num_heads, 1)](
+            out, part_out, part_lse, context_lens, pad, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, SPLITS_PAD=pad, BLOCK_N=block_n, num_warps=4,
+        )  # fmt: skip
+        pad *= 2
+
+
 def paged_decode_launch(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -220,3 +220,25 @@ def test_start_up_compiles_the_prefill_variants_and_leaves_the_cache_zeroed(qwen
     with bench.new_kernel_variants() as variants:
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert "_paged_prefill_kernel" not in variants, variants
+
+
+def test_start_up_compiles_the_split_merge_for_every_split_count(qwen3):
+    """Start-up compiles the split merge for each count choose_num_splits can pick
+    (TritonAttention.compile_ahead): decode launches at each count then launch no merge
+    variant for the first time (a proof only where this process had not launched them before:
+    run this test alone)."""
+    import bench
+    from nanopaged.kernels.paged_decode import decode_config, paged_decode_launch
+
+    llm = LLM(str(qwen3), dtype="bfloat16", device="cuda", kv_cache_memory=1 << 28,
+              max_model_len=2048)  # fmt: skip
+    layer = llm.runner.attention_layers[0]
+    q = torch.randn(2, layer.num_heads, layer.head_dim, dtype=torch.bfloat16, device="cuda")
+    tables = torch.zeros(2, 1, dtype=torch.int32, device="cuda")
+    context_lens = torch.ones(2, dtype=torch.int32, device="cuda")
+    launch = decode_config(layer.head_dim, q.dtype, layer.k_cache.dtype)
+    with bench.new_kernel_variants() as variants:
+        for splits in (2, 3, 5, 9, 17, 33, 64):
+            paged_decode_launch(q, layer.k_cache, layer.v_cache, tables, context_lens,
+                                layer.scale, splits, *launch)  # fmt: skip
+    assert "_merge_splits_kernel" not in variants, variants
