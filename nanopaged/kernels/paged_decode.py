@@ -478,6 +478,10 @@ def decode_group_pad(group: int) -> int:
     return max(16, triton.next_power_of_2(group))
 
 
+# The most splits choose_num_splits picks (compile_merge_variants compiles up to it).
+MAX_SPLITS = 64
+
+
 def choose_num_splits(
     batch: int, num_kv_heads: int, max_context_len: int, block_n: int, sms: int
 ) -> int:
@@ -504,7 +508,7 @@ def choose_num_splits(
     elif 2 * programs < 5 * sms:
         splits = 2
     splits = max(splits, -(-max_context_len // 32768))  # long contexts: bound one program's work
-    return max(1, min(splits, max_tiles, 64))
+    return max(1, min(splits, max_tiles, MAX_SPLITS))
 
 
 def compile_merge_variants(
@@ -518,7 +522,7 @@ def compile_merge_variants(
     out = torch.empty(1, num_heads, head_dim, dtype=dtype, device=device)
     context_lens = torch.ones(1, dtype=torch.int32, device=device)
     pad = 2
-    while pad <= 64:
+    while pad <= triton.next_power_of_2(MAX_SPLITS):
         part_out = torch.zeros(1, num_heads, pad, head_dim, dtype=torch.float32, device=device)
         part_lse = torch.zeros(1, num_heads, pad, dtype=torch.float32, device=device)
         _merge_splits_kernel[(num_heads, 1)](
