@@ -207,9 +207,7 @@ class ModelRunner:
                               blocks_to_swap_in=[], blocks_to_copy=[], pending_dst=none,
                               pending_src=none)  # fmt: skip
             self._forward_eager(step, None)
-        if used:
-            ids = torch.tensor(sorted(used), dtype=torch.long, device=self.device)
-            self.kv_cache.index_fill_(2, ids, 0)
+        self._zero(sorted(used))
 
     def release_graphs(self) -> None:
         """Drop the captured decode graphs once the device is idle; under tensor parallelism
@@ -232,9 +230,18 @@ class ModelRunner:
         kernel that weighs a stale slot by 0 (a block's unused tail) would still get NaN."""
         if self.workers is not None and self.workers.alive:
             self.workers.zero_blocks(block_ids)
-        if block_ids:
-            ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-            self.kv_cache.index_fill_(2, ids, 0)  # [2, layers, blocks, ...]
+        self._zero(block_ids)
+
+    def _zero(self, block_ids: list[int]) -> None:
+        """Zero these blocks of this rank's cache ([2, layers, blocks, ...]); an 8-bit cache
+        as bytes (CUDA has no index_fill_ for float8, and 0.0 is the zero byte)."""
+        if not block_ids:
+            return
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        cache = self.kv_cache
+        if cache.element_size() == 1:
+            cache = cache.view(torch.uint8)
+        cache.index_fill_(2, ids, 0)
 
     def allocate_swap_space(self, num_blocks: int) -> None:
         """Allocate the CPU swap pool: num_blocks blocks shaped like the device cache's."""
