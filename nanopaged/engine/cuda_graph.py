@@ -5,6 +5,7 @@ and the sampler."""
 from __future__ import annotations
 
 import bisect
+import gc
 from collections import Counter
 from collections.abc import Callable
 from functools import partial
@@ -91,8 +92,21 @@ class DecodeGraphs:
     def _meta(self, bs: int) -> AttentionMetadata:
         return self.attn_inputs.metadata(bs)
 
-    @torch.inference_mode()
     def capture(self) -> None:
+        """Capture every bucket's graphs, with no garbage collection in between: torch no
+        longer collects before a capture, and a collection inside one may drop another LLM
+        (a cycle) whose release synchronizes the device, which invalidates the capture."""
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture()
+        finally:
+            if collecting:
+                gc.enable()
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
         pool = None
         for bs in reversed(self.batch_sizes):
             args = (self.input_ids[:bs], self.positions[:bs], self._meta(bs))

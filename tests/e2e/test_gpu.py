@@ -203,6 +203,45 @@ def test_dropped_llm_frees_its_gpu_memory_without_the_collector(qwen3):
         gc.enable()
 
 
+def test_a_collection_inside_a_graph_capture_cannot_invalidate_it(qwen3, monkeypatch):
+    """An LLM only the garbage collector can free (a cycle, as an exception's traceback makes
+    one) becomes garbage as another LLM starts capturing, with the collector's thresholds at
+    their lowest: a collection inside the capture would free its graphs and memory there,
+    which CUDA refuses during a capture. The new LLM starts and equals eager mode."""
+    import gc
+    import weakref
+
+    old = LLM(str(qwen3), dtype="float32", device="cuda", kv_cache_memory=1 << 26)
+    freed = weakref.ref(old)
+    holder = [[old]]
+    holder[0].append(holder[0])  # the cycle holds the LLM
+    del old
+    thresholds = gc.get_threshold()
+    real = torch.cuda.CUDAGraph.capture_begin
+
+    def capture_begin(graph, *args, **kwargs):
+        real(graph, *args, **kwargs)
+        if holder:  # the first capture: the cycle becomes garbage, collections come often
+            holder.clear()
+            gc.set_threshold(1, 1, 1)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", capture_begin)
+    try:
+        llm = LLM(str(qwen3), dtype="float32", device="cuda", kv_cache_memory=1 << 26)
+    finally:
+        gc.set_threshold(*thresholds)
+    assert not holder
+    gc.collect()
+    assert freed() is None
+    prompts = _prompts(6, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    eager = LLM(str(qwen3), dtype="float32", device="cuda", kv_cache_memory=1 << 26,
+                enforce_eager=True)  # fmt: skip
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+
+
 def test_start_up_compiles_the_prefill_variants_and_leaves_the_cache_zeroed(qwen3):
     """The dummy prefill passes at start-up (ModelRunner._compile_prefill) leave no K/V
     behind, and a workload of short, long, chunked and prefix-cached prompts then launches
