@@ -253,3 +253,22 @@ def test_kernel_gpu_shapes(kind, m, n, k):
     w = to_device(w)
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
     assert_close(w4a16_gemm(x, w), w4a16_gemm_ref(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["awq", "gptq-sym"])
+def test_paired_gemv_at_one_row(kind, dtype):
+    """One row of 16-bit x takes the GEMV kernel's paired path (inline assembly) by default and
+    equals the reference; activations of 20,000 (whose products with a nibble pass fp16's
+    largest value unless x is scaled first) stay finite in fp16."""
+    from nanopaged.kernels.w4a16_gemm import paired_gemv
+
+    w = to_device(make_weight(kind, 2048, 1024, 128, seed=7)[0])
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(7))
+    x[0, ::61] = 20000.0
+    x = x.to(DEVICE, dtype)
+    assert default_config(1, 2048, 1024, 128).gemv and paired_gemv(x, w)
+    out = w4a16_gemm(x, w)
+    assert torch.isfinite(out).all()
+    assert_close(out, w4a16_gemm_ref(x, w))
