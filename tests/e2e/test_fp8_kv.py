@@ -331,3 +331,18 @@ def test_interrupted_first_pass_runs_again(llama, monkeypatch):
     assert llm.runner.kv_scales[:, 0].ne(1.0).all()  # layer 0 had set its scales
     assert _scored(llm) == expected
     assert torch.equal(llm.runner.kv_scales, clean.runner.kv_scales)
+
+
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_zeroing_8_bit_blocks(llama, kv, device):
+    """zero_blocks (after non-finite logits; start-up's prefill passes on a GPU) zeroes 8-bit
+    blocks as bytes, which index_fill_ refuses for float8: those blocks only, in K and V."""
+    llm = LLM(str(llama), device=device, dtype="float32", kv_cache_dtype=kv,
+              kv_cache_memory=1 << 20, max_model_len=96)  # fmt: skip
+    cache = llm.runner.kv_cache
+    assert cache.element_size() == 1
+    cache.view(torch.uint8).fill_(0x38)  # 1.0 in e4m3, 0.5 in e5m2: any nonzero byte
+    llm.runner.zero_blocks([1, 3])
+    zero = (cache.view(torch.uint8) == 0).flatten(3).all(-1)  # [2, layers, blocks]
+    assert zero[:, :, [1, 3]].all() and not zero[:, :, [0, 2]].any()
