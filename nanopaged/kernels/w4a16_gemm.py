@@ -365,6 +365,24 @@ if triton is not None:
         return a | (b << 16)
 
     @triton.jit
+    def _paired_sums(packed, zq, x0, x1, x2, x3, BF16: tl.constexpr):
+        """[BLOCK_N] sums over the packed tile's rows of _PAIRED_ASM's eight terms."""
+        zero = zq | (0x4300 if BF16 else 0x6400)
+        zero = zero | (zero << 16)  # [BLOCK_N]: (MAGIC + zero) twice
+        sums = tl.inline_asm_elementwise(
+            _PAIRED_BF16 if BF16 else _PAIRED_FP16,
+            "=r,r,r,r,r,r,r",
+            [packed, x0[:, None], x1[:, None], x2[:, None], x3[:, None], zero[None, :]],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )  # [BLOCK_K / 8, BLOCK_N]
+        total = tl.sum(sums, axis=0)
+        if not BF16:
+            total = total * FP16_X_SCALE
+        return total
+
+    @triton.jit
     def _gemv_row_paired(packed, zq, x_ptr, row, offs_pk, mask_pk, stride_xm):
         """_gemv_row for 16-bit x without g_idx, by _PAIRED_ASM (CUDA only: the interpreter
         runs no inline assembly)."""
@@ -373,31 +391,7 @@ if triton is not None:
         x1 = _x_pair(xs, 1, mask_pk)
         x2 = _x_pair(xs, 2, mask_pk)
         x3 = _x_pair(xs, 3, mask_pk)
-        if x_ptr.dtype.element_ty == tl.bfloat16:
-            zero = zq | 0x4300
-            zero = zero | (zero << 16)  # [BLOCK_N]: (MAGIC + zero) twice
-            sums = tl.inline_asm_elementwise(
-                _PAIRED_BF16,
-                "=r,r,r,r,r,r,r",
-                [packed, x0[:, None], x1[:, None], x2[:, None], x3[:, None], zero[None, :]],
-                dtype=tl.float32,
-                is_pure=True,
-                pack=1,
-            )  # [BLOCK_K / 8, BLOCK_N]: each packed int32's eight terms
-            total = tl.sum(sums, axis=0)
-        else:
-            zero = zq | 0x6400
-            zero = zero | (zero << 16)
-            sums = tl.inline_asm_elementwise(
-                _PAIRED_FP16,
-                "=r,r,r,r,r,r,r",
-                [packed, x0[:, None], x1[:, None], x2[:, None], x3[:, None], zero[None, :]],
-                dtype=tl.float32,
-                is_pure=True,
-                pack=1,
-            )
-            total = tl.sum(sums, axis=0) * FP16_X_SCALE
-        return total
+        return _paired_sums(packed, zq, x0, x1, x2, x3, x_ptr.dtype.element_ty == tl.bfloat16)
 
     @triton.jit
     def _gemv_row(
