@@ -22,6 +22,10 @@ from nanopaged.structured.tokenizer import structured_tokenizer
 ADVANCE_SWITCH_INTERVAL_S = 5e-5
 
 
+def _lexer_of_row(row: tuple[GrammarMatcher, object]) -> int:
+    return row[0].lexer
+
+
 class StructuredBackend:
     """Grammars for one model's tokenizer: validate and compile specs (a thread pool, cached by
     spec), and fill the packed bitmasks of many matchers at once (llguidance's threads).
@@ -102,20 +106,24 @@ class StructuredBackend:
     def _accept(self, rows: list[tuple[GrammarMatcher, list[int]]]) -> None:
         """accept()'s work: those with one token (a decode step's) in parallel, the others in
         turn. A token that breaks a grammar leaves its matcher in the error state, which
-        allows EOS alone. Then their next masks are filled ahead."""
+        allows EOS alone. Then their next masks are filled ahead. One order for both passes:
+        rows of one lexer together (see BitmaskFiller)."""
         started = time.perf_counter()
-        single = [(m, tokens[0]) for m, tokens in rows if len(tokens) == 1]
-        for matcher, _ in single:
-            matcher.version += 1
-        self.filler.accept_one(single)
+        rows = sorted(rows, key=_lexer_of_row)
+        single = []
         for matcher, tokens in rows:
-            if len(tokens) > 1:
+            if len(tokens) == 1:
+                matcher.version += 1
+                single.append((matcher, tokens[0]))
+            else:
                 matcher.accept_many(tokens)
+        self.filler.accept_one(single)
         self.stats.accept_seconds += time.perf_counter() - started
         self.fill_ahead([m for m, _ in rows])
 
     def fill_ahead(self, matchers: Sequence[GrammarMatcher]) -> None:
-        """Fill matchers' next masks into the stage now, for the next masks() to hand out."""
+        """Fill matchers' next masks into the stage now (row k: matchers[k]; rows of one lexer
+        best together), for the next masks() to hand out."""
         if not matchers:
             return
         started = time.perf_counter()
@@ -125,7 +133,7 @@ class StructuredBackend:
             self.stage_read.synchronize()
         self.stage_read = None
         self._staged = {id(m): (m, k, m.version) for k, m in enumerate(matchers)}
-        self.fill([(m, k) for k, m in enumerate(matchers)], self._stage)
+        self.filler.fill_rows(matchers, self._stage)
         self.stats.prefetch_seconds += time.perf_counter() - started
 
     def masks(
@@ -156,7 +164,8 @@ class StructuredBackend:
         if missing:
             if self.stage_read is not None:  # a copy still reading the stage: let it finish
                 self.stage_read.synchronize()
-            self.fill([(m, used + k) for k, m in enumerate(missing)], self._stage)
+            pairs = sorted(((m, used + k) for k, m in enumerate(missing)), key=_lexer_of_row)
+            self.fill(pairs, self._stage)
         # Rows of sequences not in this step stay behind: a copy of [:need] carries them.
         return self._stage[:need], rows
 

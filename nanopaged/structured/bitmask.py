@@ -39,34 +39,41 @@ class BitmaskFiller:
 
     def fill(self, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: torch.Tensor) -> None:
         """Write each (matcher, row)'s allowed tokens into bitmask[row]; other rows are left
-        as they are. bitmask: CPU int32 [num_rows, num_words], contiguous."""
-        assert bitmask.dtype == torch.int32, bitmask.dtype  # a host tensor
-        assert bitmask.dim() == 2 and bitmask.shape[1] == self.num_words, bitmask.shape
-        assert bitmask.is_contiguous()
+        as they are. bitmask: CPU int32 [num_rows, num_words], contiguous. The executor hands
+        each thread a contiguous run of the list: rows of one lexer together keep its threads
+        off each other's lexer lock, so callers order them so (GrammarMatcher.lexer)."""
+        self._check(bitmask)
         if not rows:
             return
         num_rows = bitmask.shape[0]
         for matcher, row in rows:
             assert 0 <= row < num_rows and matcher.num_words == self.num_words, row
         assert len({row for _, row in rows}) == len(rows), "two matchers on one row"
-        # The executor hands each thread a contiguous run of the list: rows of one lexer
-        # together keep its threads off each other's lexer lock.
-        pairs = [(m._matcher, row) for m, row in sorted(rows, key=lambda r: r[0].lexer)]
+        pairs = [(m._matcher, row) for m, row in rows]
         self._executor.unsafe_compute_mask_ptr(
             pairs, bitmask.data_ptr(), 4 * self.num_words, num_rows
         )
 
+    def fill_rows(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
+        """fill() of matchers[k] into bitmask[k], for k < len(matchers)."""
+        self._check(bitmask)
+        assert len(matchers) <= bitmask.shape[0], (len(matchers), bitmask.shape)
+        pairs = [(m._matcher, k) for k, m in enumerate(matchers)]
+        self._executor.unsafe_compute_mask_ptr(
+            pairs, bitmask.data_ptr(), 4 * self.num_words, bitmask.shape[0]
+        )
+
+    def _check(self, bitmask: torch.Tensor) -> None:
+        assert bitmask.dtype == torch.int32, bitmask.dtype  # a host tensor
+        assert bitmask.dim() == 2 and bitmask.shape[1] == self.num_words, bitmask.shape
+        assert bitmask.is_contiguous()
+
     def accept_one(self, rows: Sequence[tuple[GrammarMatcher, int]]) -> list[bool]:
         """Advance each (matcher, token)'s matcher past its token, in parallel; per row False
         when the token broke the grammar (see GrammarMatcher.accept). One row per matcher,
-        each with its version moved on by the caller."""
+        each with its version moved on by the caller; rows of one lexer best together, as in
+        fill()."""
         if not rows:
             return []
         assert len({id(m) for m, _ in rows}) == len(rows), "a matcher twice"
-        order = sorted(range(len(rows)), key=lambda i: rows[i][0].lexer)  # as in fill()
-        accepted = self._executor.consume_token_par([(rows[i][0]._matcher, rows[i][1])
-                                                     for i in order])  # fmt: skip
-        result = [True] * len(rows)
-        for i, ok in zip(order, accepted):
-            result[i] = ok
-        return result
+        return self._executor.consume_token_par([(m._matcher, token) for m, token in rows])
