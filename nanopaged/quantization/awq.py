@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanopaged.kernels import w4a16_gemm
 from nanopaged.kernels.w4a16_gemm import PACK, Int4Weight
 from nanopaged.quantization.base import (
     Axis,
@@ -30,6 +29,7 @@ from nanopaged.quantization.base import (
     check_divisible,
     new_param,
 )
+from nanopaged.quantization.gptq import Int4LinearMethod
 
 # The nibble that holds column j of an AWQ pack of eight output columns (order 0, 2, 4, 6, 1, 3,
 # 5, 7 from the lowest nibble up).
@@ -106,7 +106,7 @@ def parse_awq(cfg: dict, where: str) -> AwqConfig:
     return AwqConfig(group, r.names("modules_to_not_convert"))
 
 
-class AwqLinearMethod(LinearMethod):
+class AwqLinearMethod(Int4LinearMethod):
     """qweight, qzeros and scales of one (packed, sharded) layer."""
 
     param_names = ("qweight", "qzeros", "scales")
@@ -126,7 +126,7 @@ class AwqLinearMethod(LinearMethod):
         layer.qzeros = new_param((groups, n // PACK), torch.int32, Axis(1, PACK), Axis(0, g))
         layer.scales = new_param((groups, n), torch.float16, Axis(1), Axis(0, g))
 
-    def _repack(self, layer) -> Int4Weight:
+    def int4_weight(self, layer) -> Int4Weight:
         """The layer's weight in the kernels' layout, once after loading; its qweight and
         qzeros are replaced, so each layer's AWQ tensors are freed as it is repacked."""
         in_features = layer.scales.shape[0] * self.group_size
@@ -135,16 +135,3 @@ class AwqLinearMethod(LinearMethod):
         layer.qweight = nn.Parameter(qweight, requires_grad=False)
         layer.qzeros = nn.Parameter(qzeros, requires_grad=False)
         return Int4Weight(layer.qweight, layer.scales, layer.qzeros, self.group_size)
-
-    def dequantize(self, layer, dtype):
-        return w4a16_gemm.dequantize_int4(self._repack(layer), dtype).t().contiguous()
-
-    def kernel_available(self, layer) -> bool:
-        return w4a16_gemm.triton is not None
-
-    def prepare_kernels(self, layer) -> None:
-        layer.int4 = w4a16_gemm.without_constant_zeros(self._repack(layer))
-
-    def apply(self, layer, x):
-        x = x.reshape(-1, x.shape[-1])
-        return w4a16_gemm.w4a16_gemm(x if x.stride(-1) == 1 else x.contiguous(), layer.int4)

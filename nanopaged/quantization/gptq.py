@@ -90,7 +90,28 @@ def parse_gptq(cfg: dict, where: str) -> GptqConfig:
     return config
 
 
-class GptqLinearMethod(LinearMethod):
+class Int4LinearMethod(LinearMethod):
+    """What 4-bit layers in the kernels' layout share (GPTQ's, and AWQ's once repacked):
+    int4_weight gives the layer's Int4Weight; dequantizing and the W4A16 kernel follow."""
+
+    def int4_weight(self, layer) -> Int4Weight:
+        raise NotImplementedError
+
+    def dequantize(self, layer, dtype):
+        return w4a16_gemm.dequantize_int4(self.int4_weight(layer), dtype).t().contiguous()
+
+    def kernel_available(self, layer) -> bool:
+        return w4a16_gemm.triton is not None
+
+    def prepare_kernels(self, layer) -> None:
+        layer.int4 = w4a16_gemm.without_constant_zeros(self.int4_weight(layer))
+
+    def apply(self, layer, x):
+        x = x.reshape(-1, x.shape[-1])
+        return w4a16_gemm.w4a16_gemm(x if x.stride(-1) == 1 else x.contiguous(), layer.int4)
+
+
+class GptqLinearMethod(Int4LinearMethod):
     """qweight, qzeros, scales (and g_idx with desc_act) of one (packed, sharded) layer."""
 
     param_names = ("qweight", "qzeros", "scales", "g_idx")
@@ -137,19 +158,6 @@ class GptqLinearMethod(LinearMethod):
             )
         self.g_idx_parts += 1
 
-    def _weight(self, layer) -> Int4Weight:
+    def int4_weight(self, layer) -> Int4Weight:
         return Int4Weight(layer.qweight, layer.scales, layer.qzeros, self.group,
                           getattr(layer, "g_idx", None), self.config.zero_offset)  # fmt: skip
-
-    def dequantize(self, layer, dtype):
-        return w4a16_gemm.dequantize_int4(self._weight(layer), dtype).t().contiguous()
-
-    def kernel_available(self, layer) -> bool:
-        return w4a16_gemm.triton is not None
-
-    def prepare_kernels(self, layer) -> None:
-        layer.int4 = w4a16_gemm.without_constant_zeros(self._weight(layer))
-
-    def apply(self, layer, x):
-        x = x.reshape(-1, x.shape[-1])
-        return w4a16_gemm.w4a16_gemm(x if x.stride(-1) == 1 else x.contiguous(), layer.int4)
