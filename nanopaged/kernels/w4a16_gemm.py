@@ -26,13 +26,13 @@ faster on an H100.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from nanopaged.kernels.paged_decode import dot_precision, num_sms
+from nanopaged.platform import platform_of
 
 try:
     import triton
@@ -604,18 +604,15 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, config: W4A16Config | None = None
     return out[0] if splits == 1 else sum_splits(out, x.dtype)
 
 
-@functools.cache
-def _sm90(device: torch.device) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
 def paired_gemv(x: torch.Tensor, w: Int4Weight) -> bool:
     """Whether the GEMV kernel takes its paired 16-bit path (_gemv_row_paired): 16-bit x on an
     NVIDIA GPU of compute capability 9.0 or later (bf16x2 sub and mul; the one verified), rows in
     groups (no g_idx). fp32 x, desc_act weights, other GPUs and the interpreter take the fp32
     one."""
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.g_idx is None
-            and _sm90(x.device))  # fmt: skip
+    if x.dtype not in (torch.bfloat16, torch.float16) or w.g_idx is not None:
+        return False
+    capability = platform_of(x.device).compute_capability(x.device)
+    return capability is not None and capability >= (9, 0) and torch.version.hip is None
 
 
 def _gemv(x: torch.Tensor, w: Int4Weight, config: W4A16Config, grid: tuple[int, int, int],
