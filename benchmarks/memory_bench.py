@@ -114,7 +114,7 @@ def _stand_in_outputs(batch, rng: random.Random) -> list:
     candidates with descending random logprobs for a beam, one token otherwise."""
     outs = []
     for i, seq in enumerate(batch.seqs):
-        if not batch.samples(i):
+        if not batch.sampling[i]:
             continue
         group = seq.group
         if group.is_beam_search:

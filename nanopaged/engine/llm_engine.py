@@ -473,14 +473,14 @@ class LLMEngine:
             if launched is None:
                 raise RuntimeError("the scheduler could not make progress")  # invariant
         batch, handle = launched
-        # A decode row computes the last sampled token (and its drafts, speculating); prompts
-        # are prefill, however short.
+        # A decode row computes the last sampled token (and its drafts, speculating): it
+        # samples, past the prompt, from one token; prompts are prefill, however short.
         num_decode = sum(
             n
             for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_scheduled_tokens))
-            if n - batch.num_drafts(i) == 1
-            and seq.num_output_tokens > 0
-            and seq.num_computed_tokens == len(seq) - 1
+            if batch.sampling[i]
+            and n - batch.num_drafts(i) == 1
+            and seq.num_computed_tokens >= seq.num_prompt_tokens
         )
         ahead = self.may_run_ahead(batch, handle)
         if not ahead:  # a deferred sampler reads its sequences as they are now

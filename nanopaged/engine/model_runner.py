@@ -341,7 +341,7 @@ class ModelRunner:
         device yet. The engine prepares the next step while a grammar's masks still fill for
         the step before it (LLMEngine._launch)."""
         seqs = batch.seqs
-        sampled_seqs = [seqs[i] for i in range(len(seqs)) if batch.samples(i)]
+        sampled_seqs = [s for s, x in zip(seqs, batch.sampling) if x]
         rows = self.sampler.rows(sampled_seqs, batch.speculating)
         starts = [s.num_computed_tokens for s in seqs]
         tables = self._tables.build(seqs)

@@ -42,6 +42,9 @@ class ScheduledBatch:
     prompt_logprob_spans: list[tuple[int, int, int]] = field(default_factory=list)
     speculating: bool = False
     draft_token_ids: list[list[int]] = field(default_factory=list)
+    # Per row, whether seq i reaches its last token this step, so it gets a new token sampled
+    # (reaches_last; set once the step is planned, before it is advanced).
+    sampling: list[bool] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -50,16 +53,15 @@ class ScheduledBatch:
     def total_tokens(self) -> int:
         return sum(self.num_scheduled_tokens)
 
-    def samples(self, i: int) -> bool:
-        """Whether seq i reaches its last token this step, so it gets a new token sampled
-        (asked before the step is advanced)."""
+    def reaches_last(self, i: int) -> bool:
+        """Whether seq i's scheduled tokens reach its last one (before the step is advanced)."""
         seq = self.seqs[i]
         n = self.num_scheduled_tokens[i] - self.num_drafts(i)
         return seq.num_computed_tokens + n == len(seq)
 
     def sampled_drafts(self) -> list[list[int]]:
         """The drafts of each sequence that samples, in row order."""
-        return [self.draft_token_ids[i] for i in range(len(self.seqs)) if self.samples(i)]
+        return [d for d, x in zip(self.draft_token_ids, self.sampling) if x]
 
     def num_drafts(self, i: int) -> int:
         """Draft tokens that seq i's row carries after its last token."""
@@ -254,6 +256,7 @@ class Scheduler:
         self.num_steps += bool(batch.seqs)
         if batch.total_tokens != len(batch.seqs):
             decodes_first(batch)
+        batch.sampling = [batch.reaches_last(i) for i in range(len(batch.seqs))]
         batch.prompt_logprob_spans = prompt_logprob_spans(batch)
         return batch
 
@@ -388,7 +391,7 @@ class Scheduler:
         limit = self.disable_by_batch_size
         if limit is not None and self.num_running_seqs > limit:
             return
-        sampled = [(i, s) for i, s in enumerate(batch.seqs) if batch.samples(i)]
+        sampled = [(i, s) for i, s in enumerate(batch.seqs) if batch.reaches_last(i)]
         # A row sampled on the host path (a prompt about to fork into n samples) takes the
         # whole step there: no drafts beside it.
         if any(on_host(s) for _, s in sampled):
@@ -481,12 +484,12 @@ class Scheduler:
             return False
         bm = self.block_manager
         need = live = 0
-        for i, seq in enumerate(batch.seqs):
+        for seq, samples in zip(batch.seqs, batch.sampling):
             if seq.is_finished:  # stopped while this step was in flight; its sample is dropped
                 continue
             live += 1
             group = seq.group
-            if not batch.samples(i) or (
+            if not samples or (
                 group is not None and (group.is_beam_search or not group.forked)
             ):
                 return False
@@ -502,8 +505,7 @@ class Scheduler:
         self._advanced = batch
         bm = self.block_manager
         row = 0
-        for i, seq in enumerate(batch.seqs):
-            samples = batch.samples(i)
+        for i, (seq, samples) in enumerate(zip(batch.seqs, batch.sampling)):
             if seq.is_finished:  # ended while this step was in flight: its row is dropped
                 row += samples
                 continue
@@ -642,12 +644,14 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token: int) -> tuple[str, int | None] | None:
         params = seq.sampling_params
-        if seq.num_output_tokens >= params.min_tokens:
+        length = len(seq)
+        num_output_tokens = length - seq.num_prompt_tokens
+        if num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 return "stop", None
             if token in params.stop_token_ids:
                 return "stop", token
-        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+        if num_output_tokens >= params.max_tokens or length >= self.max_model_len:
             return "length", None
         return None
 

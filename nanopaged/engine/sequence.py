@@ -196,7 +196,7 @@ class SequenceGroup:
             return self.beam_params.beam_width
         if not self.forked:
             return self.num_samples
-        return len(self.unfinished_seqs)
+        return sum(not s.is_finished for s in self.seqs)
 
     def add_child(self, child: Sequence) -> None:
         child.group = self

@@ -136,7 +136,7 @@ def build_step_inputs(
         if start + n > len(seq.token_ids):
             input_ids.append(0)  # a sample still on the device, copied in there
     cu = host["cu_seqlens_q"]
-    sampling_rows = [i for i in range(len(seqs)) if batch.samples(i)]
+    sampling_rows = [i for i, x in enumerate(batch.sampling) if x]
     logits_indices = (cu[1:] - 1)[sampling_rows].astype(np.int64)
     if drafts:
         logits_indices = _verified_rows(batch, sampling_rows, cu)

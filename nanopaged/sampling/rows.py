@@ -125,7 +125,7 @@ class StepRows:
             host = host or on_host(seq)
             constrained = constrained or row.constrained
             penalties = penalties or row.penalties
-            early = early or is_early(seq)
+            early = early or (row.min_tokens > 0 and is_early(seq))
             filtered = filtered or row.top_k or row.top_p or row.min_p
             widths.append(row.logprobs)
         logprobs = any(w is not None for w in widths)

@@ -80,7 +80,7 @@ def _spy_run_ahead(llm: LLM) -> list[tuple[bool, bool]]:
 
     def spy(batch, handle):
         ahead = decide(batch, handle)
-        sampled = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
+        sampled = [s for i, s in enumerate(batch.seqs) if batch.sampling[i]]
         seen.append((bool(sampled) and all(s.matcher is not None for s in sampled), ahead))
         return ahead
 

@@ -23,7 +23,7 @@ def _seq(n, start=0, **params) -> Sequence:
 
 def _step(s: Scheduler, token: int = 1):
     batch = s.schedule()
-    sampled = [token for i in range(len(batch)) if batch.samples(i)]
+    sampled = [token for i in range(len(batch)) if batch.sampling[i]]
     s.advance(batch)
     s.commit(batch, sampled)
     return batch

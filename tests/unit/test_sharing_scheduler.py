@@ -36,7 +36,7 @@ def _fake_outputs(batch) -> list[SampleOutput]:
     """What a runner would return: n tokens for a forking parent, one otherwise."""
     outs = []
     for i, seq in enumerate(batch.seqs):
-        if batch.samples(i):
+        if batch.sampling[i]:
             k = seq.group.num_samples if not seq.group.forked else 1
             outs.append(SampleOutput([next(_tokens) % 90 for _ in range(k)]))
     return outs

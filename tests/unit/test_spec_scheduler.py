@@ -47,7 +47,7 @@ def _decoding(s: Scheduler, *seqs: Sequence) -> None:
         s.add(seq)
     batch = s.schedule()
     assert batch.draft_token_ids == []
-    sampled = [7 for i in range(len(batch)) if batch.samples(i)]
+    sampled = [7 for i in range(len(batch)) if batch.sampling[i]]
     s.advance(batch)
     s.commit(batch, sampled)
 
@@ -58,7 +58,7 @@ def test_decode_row_carries_drafts_and_commits_accepted_ones():
     _decoding(s, seq)
     batch = s.schedule()
     assert batch.draft_token_ids == [[20, 21, 22]] and batch.num_scheduled_tokens == [4]
-    assert batch.samples(0) and batch.sampled_drafts() == [[20, 21, 22]]
+    assert batch.sampling[0] and batch.sampled_drafts() == [[20, 21, 22]]
     # Room for positions 6..9 (the last token and three drafts): three blocks of 4.
     assert len(seq.block_table) == 3
     s.advance(batch)

@@ -115,7 +115,7 @@ def _step(s: Scheduler, rng: random.Random, k: int, asynchronous: bool = False, 
     engine would. Returns the handle, each row's sequence (None for a row dropped because its
     sequence ended first) and the step planned ahead, if any."""
     batch = planned or s.schedule()
-    sampling = [q for i, q in enumerate(batch.seqs) if batch.samples(i)]
+    sampling = [q for i, q in enumerate(batch.seqs) if batch.sampling[i]]
     handle = _random_step(rng, [q.sampling_params.logprobs for q in sampling], k)
     ahead = asynchronous and s.can_look_ahead(batch)
     s.advance(batch)
