@@ -18,6 +18,10 @@ W[k, n] = (q[k, n] - zero[g(k), n]) * scale[g(k), n]; symmetric weights have zer
 Few rows (decode) give few output tiles, so K can be split: each split writes an fp32 partial
 and one small kernel adds them in split order (deterministic) and rounds to the output dtype.
 
+From DEQUANT_ROWS rows (prefill chunks, the largest decode batches) the weight is dequantized
+into a temporary in one kernel and multiplied by torch's matmul: there the tile, which
+dequantizes every weight once per tile of rows, is slower than the copy.
+
 Decode rows take a GEMV kernel (no tensor cores). With 16-bit x on Hopper it works on pairs of
 16-bit floats in inline assembly (_PAIRED_ASM: about 2.4 instructions a weight against 5.8 for
 its fp32 path, which the interpreter, fp32 x and desc_act weights use): at one row, 1.3-1.5x
@@ -142,6 +146,13 @@ def _gemv_tile(rows: int, block_k: int) -> W4A16Config:
     at 128 K rows spill)."""
     return W4A16Config(rows, 256, block_k, split_k=0, num_warps=4, num_stages=2, gemv=True)
 
+
+# Rows from which the default launch dequantizes the weight (one kernel, a temporary of the
+# weight in x's dtype) and multiplies with torch's matmul instead. Qwen3-8B's projections on an
+# H100, cold (docs/quantization.md): at 256 rows 1.15-3.1x faster than the tensor-core tile
+# (0.38-0.61x bf16's speed against 0.17-0.39x), at 2,048 rows 2.7-4.4x (0.78-0.91x); at 128
+# rows the tile still won on gate_up.
+DEQUANT_ROWS = 256
 
 # Tiles by row count: the first entry whose max rows >= m. Edit from
 # `benchmarks/quant_gemm_bench.py --tune`, which prints its best launch per shape in this form.
@@ -268,6 +279,37 @@ if triton is not None:
                 acc += part * scale.to(tl.float32)[None, :]
         out = out_ptr + split * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+    @triton.jit
+    def _dequantize_kernel(
+        qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K, group_size, zero_offset,
+        stride_qw, stride_s, stride_z, stride_o,
+        HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
+        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        """out [K, N] = (q - zero) * scale in fp32, rounded to out's dtype (dequantize_int4)."""
+        offs_pk = tl.program_id(0) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+        offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_k = offs_k < K
+        mask = mask_k[:, None] & (offs_n < N)[None, :]
+        mask_packed = (offs_pk < K // 8)[:, None] & (offs_n < N)[None, :]
+        packed = tl.load(qw_ptr + offs_pk[:, None] * stride_qw + offs_n[None, :],
+                         mask=mask_packed, other=0)  # fmt: skip
+        q = _unpack_rows(packed, BLOCK_K, BLOCK_N)
+        if HAS_G_IDX:
+            g = tl.load(g_ptr + offs_k, mask=mask_k, other=0)
+        else:
+            g = offs_k // group_size
+        scale = tl.load(s_ptr + g[:, None] * stride_s + offs_n[None, :], mask=mask, other=0.0)
+        if HAS_ZEROS:
+            zp = tl.load(z_ptr + g[:, None] * stride_z + offs_n[None, :] // 8, mask=mask, other=0)
+            zero = ((zp >> (offs_n[None, :] % 8) * 4) & 0xF) + zero_offset
+        else:
+            zero = 8
+        w = (q - zero).to(tl.float32) * scale.to(tl.float32)
+        tl.store(out_ptr + offs_k[:, None] * stride_o + offs_n[None, :],
+                 w.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
 
     @triton.jit
     def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
@@ -525,6 +567,23 @@ if triton is not None:
                          BLOCK_N, SPLITS)  # fmt: skip
 
 
+def dequantize(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """dequantize_int4 in one kernel: the weight as [K, N] of dtype."""
+    k, n = w.in_features, w.out_features
+    out = torch.empty(k, n, dtype=dtype, device=w.qweight.device)
+    zeros = w.qzeros if w.qzeros is not None else w.qweight  # unread without zeros
+    g_idx = w.g_idx if w.g_idx is not None else w.qweight  # unread without g_idx
+    block_k, block_n = 64, 128
+    grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
+    _dequantize_kernel[grid](
+        w.qweight, w.scales, zeros, g_idx, out, n, k, w.group_size, w.zero_offset,
+        w.qweight.stride(0), w.scales.stride(0), zeros.stride(0), out.stride(0),
+        HAS_ZEROS=w.qzeros is not None, HAS_G_IDX=w.g_idx is not None,
+        BLOCK_K=block_k, BLOCK_N=block_n, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
 def sum_splits(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[splits, M, N] fp32 partials (contiguous) -> [M, N] of dtype, summed in split order."""
     splits, m, n = partials.shape
@@ -572,10 +631,13 @@ def split_counters(device: torch.device) -> torch.Tensor:
 
 def w4a16_gemm(x: torch.Tensor, w: Int4Weight, config: W4A16Config | None = None) -> torch.Tensor:
     """x [M, K] (16-bit; fp32 too, as the interpreter runs) @ w -> [M, N] in x's dtype; the
-    GEMV kernel where the config says so (by default up to M_GEMV rows), else tensor cores."""
+    GEMV kernel where the config says so (by default up to M_GEMV rows), else tensor cores;
+    by default from DEQUANT_ROWS rows, the dequantized weight through torch's matmul."""
     m = x.shape[0]
     k, n = w.in_features, w.out_features
     if config is None:
+        if m >= DEQUANT_ROWS:
+            return x @ dequantize(w, x.dtype)
         config = default_config(m, n, k, w.group_size, num_sms(x.device))
     _check(x, w, config)
     k_per_split = -(-k // (config.split_k * config.block_k)) * config.block_k

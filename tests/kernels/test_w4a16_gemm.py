@@ -10,11 +10,13 @@ import torch
 from kernel_inputs import DEVICE
 from quant_formats import AWQ_ORDER_MAP, quantize_awq, quantize_gptq
 
+from nanopaged.kernels import w4a16_gemm as w4a16
 from nanopaged.kernels.w4a16_gemm import (
     M_GEMV,
     Int4Weight,
     W4A16Config,
     default_config,
+    dequantize,
     dequantize_int4,
     sum_splits,
     w4a16_gemm,
@@ -233,6 +235,35 @@ def test_one_group_and_default_config():
     assert 128 % default_config(3, 64, 128, 128).block_k == 0
     assert_close(w4a16_gemm(x, w), w4a16_gemm_ref(x, w))
     assert w4a16_gemm(x[:0], w).shape == (0, 64)
+
+
+@pytest.mark.parametrize("kind", ["awq"] + KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequantize_kernel_equals_dequantize_int4(kind, dtype):
+    # n = 200, k = 352: ragged last tiles both ways (the kernel's tiles are 64 x 128)
+    w = to_device(make_weight(kind, 200, 352, 32, seed=3)[0])
+    assert torch.equal(dequantize(w, dtype), dequantize_int4(w, dtype))
+
+
+@pytest.mark.parametrize("kind", ["awq", "gptq-asym", "gptq-desc_act"])
+def test_from_dequant_rows_the_weight_is_dequantized_once(kind, monkeypatch):
+    # At DEQUANT_ROWS rows and more the default launch multiplies by the dequantized weight;
+    # below them (or with a config) it runs the kernels on the packed one.
+    monkeypatch.setattr(w4a16, "DEQUANT_ROWS", 24)
+    calls = []
+    monkeypatch.setattr(
+        w4a16, "dequantize", lambda w, dtype: calls.append(1) or dequantize(w, dtype)
+    )
+    w = to_device(make_weight(kind, 80, 256, 64, seed=5)[0])
+    for m, taken in ((24, True), (40, True), (23, False)):
+        calls.clear()
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+        assert_close(w4a16_gemm(x, w), w4a16_gemm_ref(x, w))
+        assert bool(calls) == taken, m
+    x = torch.randn(40, 256).to(DEVICE)
+    calls.clear()
+    assert_close(w4a16_gemm(x, w, W4A16Config(32, 64, 32)), w4a16_gemm_ref(x, w))
+    assert not calls
 
 
 def test_strided_rows():
