@@ -176,10 +176,6 @@ class SequenceGroup:
     def is_beam_search(self) -> bool:
         return self.beam_params is not None
 
-    @property
-    def unfinished_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.is_finished]
-
     def seqs_with_status(self, status: SequenceStatus) -> list[Sequence]:
         return [s for s in self.seqs if s.status == status]
 
