@@ -302,9 +302,11 @@ if triton is not None:
         else:
             g = offs_k // group_size
         scale = tl.load(s_ptr + g[:, None] * stride_s + offs_n[None, :], mask=mask, other=0.0)
-        if HAS_ZEROS:
-            zp = tl.load(z_ptr + g[:, None] * stride_z + offs_n[None, :] // 8, mask=mask, other=0)
-            zero = ((zp >> (offs_n[None, :] % 8) * 4) & 0xF) + zero_offset
+        if HAS_ZEROS:  # each packed zero read once, unpacked in registers
+            offs_pn = tl.program_id(1) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+            zp = tl.load(z_ptr + g[:, None] * stride_z + offs_pn[None, :],
+                         mask=mask_k[:, None] & (offs_pn < N // 8)[None, :], other=0)  # fmt: skip
+            zero = _unpack_cols(zp, BLOCK_K, BLOCK_N) + zero_offset
         else:
             zero = 8
         w = (q - zero).to(tl.float32) * scale.to(tl.float32)
